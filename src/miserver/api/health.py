@@ -1,0 +1,45 @@
+"""Health routes: ``/api/health`` (ready when it answers 200) and ``/api/health/detailed``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from ..scheduler import Priority
+from ..store import rows as store_rows
+from .common import state
+
+router = APIRouter()
+
+
+@router.get("/api/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/api/health/detailed")
+async def health_detailed(request: Request) -> dict[str, Any]:
+    st = state(request)
+    async with st.store.engine.connect() as conn:
+        backlog = await store_rows.backlog_rows(conn)
+    gate = st.ctx.gate
+    engine = st.ctx.engine
+    return {
+        "status": "ok",
+        "database": "sqlite" if st.store.is_sqlite else "postgresql",
+        "inference": {
+            "batch_backlog_rows": backlog,
+            "slots": {"total": gate.slots, "in_use": gate.in_use},
+            "queues": {"interactive": gate.queue_length(Priority.INTERACTIVE), "batch": gate.queue_length(Priority.BATCH)},
+        },
+        "model": None
+        if engine is None
+        else {
+            "id": engine.info.model_id,
+            "backend": engine.info.backend,
+            "dtype": engine.info.dtype,
+            "weights_revision": engine.info.weights_revision,
+            "context_length": engine.info.context_length,
+        },
+        "lease": None,
+    }

@@ -1,0 +1,26 @@
+"""Synchronous inference routes on the resident model: thin wrappers over ``services``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..services.context import Call
+from ..services.registry import SERVICES
+from .common import json_body, state, strict_mode, to_response
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = await json_body(request)
+    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    return to_response(await SERVICES["/v1/chat/completions"].create(state(request).ctx, body, call))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    body = await json_body(request)
+    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    return to_response(await SERVICES["/v1/completions"].create(state(request).ctx, body, call))

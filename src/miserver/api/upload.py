@@ -1,0 +1,201 @@
+"""Streaming multipart upload with the limits of DESIGN §6 checked while the bytes arrive.
+
+The ``file`` part is written to a temporary file under the data directory (bounded memory) while its bytes, request
+lines and longest line are counted. Past a limit the rest of the body is still read (and counted, not stored) so
+that the 413 can name the measured value; nothing is stored then.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from ..errors import InvalidRequestError, PayloadTooLargeError
+
+MAX_FIELD_BYTES = 65536
+
+
+@dataclass
+class LineCounter:
+    """Counts bytes, request lines (non-blank) and the longest line of a stream fed in pieces."""
+
+    bytes: int = 0
+    rows: int = 0
+    longest_line: int = 0
+    longest_line_number: int = 0
+    _line_len: int = 0
+    _line_blank: bool = True
+    _line_number: int = 1
+
+    def feed(self, data: bytes) -> None:
+        self.bytes += len(data)
+        parts = data.split(b"\n")
+        for i, part in enumerate(parts):
+            self._line_len += len(part)
+            if self._line_blank and part.strip():
+                self._line_blank = False
+            if i < len(parts) - 1:
+                self._end_line()
+
+    def _end_line(self) -> None:
+        if self._line_len > self.longest_line:
+            self.longest_line, self.longest_line_number = self._line_len, self._line_number
+        if not self._line_blank:
+            self.rows += 1
+        self._line_len, self._line_blank = 0, True
+        self._line_number += 1
+
+    def finish(self) -> None:
+        if self._line_len or not self._line_blank:
+            self._end_line()
+
+
+@dataclass
+class Upload:
+    """The parsed form: small text fields, and the file part spooled to ``path``."""
+
+    fields: dict[str, str] = field(default_factory=dict)
+    filename: str | None = None
+    path: Path | None = None
+    counter: LineCounter = field(default_factory=LineCounter)
+
+    def discard(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+
+async def receive_upload(
+    content_type: str,
+    body: AsyncIterator[bytes],
+    *,
+    tmp_dir: Path,
+    max_file_bytes: int,
+    max_line_bytes: int,
+    max_rows: int,
+) -> Upload:
+    """Parse a ``multipart/form-data`` body from ``body`` chunks.
+
+    Raises :class:`InvalidRequestError` (400) for a body that is not multipart, and :class:`PayloadTooLargeError`
+    (413) naming the limit and the measured value when the file part has more than ``max_file_bytes`` bytes, a line
+    longer than ``max_line_bytes`` or more than ``max_rows`` request lines. On error nothing is left on disk.
+    """
+    ctype, options = parse_options_header(content_type)
+    boundary = options.get(b"boundary")
+    if ctype != b"multipart/form-data" or not boundary:
+        raise InvalidRequestError(
+            "Upload the file as multipart/form-data with the fields 'file' and 'purpose'.", param="file"
+        )
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    upload = Upload()
+    state: dict[str, object] = {"headers": {}, "field": b"", "name": None, "sink": None, "hname": b"", "hval": b""}
+    too_large_field: list[str] = []
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        state["hname"] = bytes(state["hname"]) + data[start:end]  # type: ignore[arg-type]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        state["hval"] = bytes(state["hval"]) + data[start:end]  # type: ignore[arg-type]
+
+    def on_header_end() -> None:
+        headers = state["headers"]
+        assert isinstance(headers, dict)
+        headers[bytes(state["hname"]).lower()] = bytes(state["hval"])  # type: ignore[arg-type]
+        state["hname"], state["hval"] = b"", b""
+
+    def on_headers_finished() -> None:
+        headers = state["headers"]
+        assert isinstance(headers, dict)
+        _, disp = parse_options_header(headers.get(b"content-disposition", b""))
+        name = disp.get(b"name", b"").decode("utf-8", "replace")
+        state["name"] = name
+        state["field"] = b""
+        if name == "file":
+            fd, path = tempfile.mkstemp(prefix="upload-", suffix=".part", dir=tmp_dir)
+            upload.discard()
+            upload.path = Path(path)
+            upload.counter = LineCounter()
+            upload.filename = disp.get(b"filename", b"upload.jsonl").decode("utf-8", "replace") or "upload.jsonl"
+            state["sink"] = os.fdopen(fd, "wb")
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        piece = data[start:end]
+        sink = state["sink"]
+        if sink is not None:
+            upload.counter.feed(piece)
+            if upload.counter.bytes <= max_file_bytes:
+                sink.write(piece)  # type: ignore[attr-defined]
+        else:
+            value = bytes(state["field"]) + piece  # type: ignore[arg-type]
+            if len(value) > MAX_FIELD_BYTES:
+                too_large_field.append(str(state["name"]))
+                value = value[:MAX_FIELD_BYTES]
+            state["field"] = value
+
+    def on_part_end() -> None:
+        sink = state["sink"]
+        if sink is not None:
+            sink.close()  # type: ignore[attr-defined]
+            upload.counter.finish()
+            state["sink"] = None
+        elif state["name"]:
+            upload.fields[str(state["name"])] = bytes(state["field"]).decode("utf-8", "replace")  # type: ignore[arg-type]
+        state["headers"] = {}
+
+    parser = MultipartParser(
+        boundary,
+        {
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        },
+    )
+    try:
+        async for chunk in body:
+            parser.write(chunk)
+        parser.finalize()
+    except PayloadTooLargeError:
+        upload.discard()
+        raise
+    except Exception as exc:
+        upload.discard()
+        sink = state["sink"]
+        if sink is not None:
+            sink.close()  # type: ignore[attr-defined]
+        raise InvalidRequestError(f"The multipart body could not be parsed: {exc}.", param="file") from None
+    if too_large_field:
+        upload.discard()
+        raise InvalidRequestError(f"The form field '{too_large_field[0]}' is too long.", param=too_large_field[0])
+    c = upload.counter
+    if upload.path is not None:
+        if c.bytes > max_file_bytes:
+            upload.discard()
+            raise PayloadTooLargeError(
+                f"The file is {c.bytes} bytes; the limit is {max_file_bytes} bytes (BATCH_MAX_FILE_BYTES).",
+                param="file",
+                code="file_too_large",
+            )
+        if c.longest_line > max_line_bytes:
+            upload.discard()
+            raise PayloadTooLargeError(
+                f"Line {c.longest_line_number} is {c.longest_line} bytes; the limit is {max_line_bytes} bytes per "
+                "line (BATCH_MAX_LINE_BYTES).",
+                param="file",
+                code="line_too_large",
+            )
+        if c.rows > max_rows:
+            upload.discard()
+            raise PayloadTooLargeError(
+                f"The file has {c.rows} request lines; the limit is {max_rows} (BATCH_MAX_ROWS).",
+                param="file",
+                code="too_many_rows",
+            )
+    return upload

@@ -1,0 +1,139 @@
+"""Result lines and the output/error files of a finished batch (DESIGN §3.3), written in input order.
+
+A finished batch's files are created in the same transaction as its terminal status, so a crash leaves either
+both or neither; rows never run (cancel, expiry) become ``batch_cancelled``/``batch_expired`` error lines there.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ..errors import APIError
+from ..ids import now, ordered_id, random_id
+from ..services.context import ServiceResult
+from ..store import batches as store_batches
+from ..store import files as store_files
+from ..store import rows as store_rows
+from ..store.batches import BatchRecord
+
+UNRUN_MESSAGES = {
+    "batch_cancelled": "The batch was cancelled before this request ran.",
+    "batch_expired": "The batch expired before this request ran.",
+}
+
+
+def success_line(custom_id: str, result: ServiceResult, *, packed: bool = False) -> str:
+    """The output line of a row that the service answered."""
+    return json.dumps(
+        {
+            "id": random_id("batch_req_"),
+            "custom_id": custom_id,
+            "response": {
+                "status_code": result.status_code,
+                "request_id": random_id("req_"),
+                "body": result.body,
+                "millm": {"packed": packed, "headers": result.headers},
+            },
+            "error": None,
+        },
+        ensure_ascii=False,
+    )
+
+
+def failure_line(custom_id: str, error: APIError) -> str:
+    """The error line of a row refused while running: the synchronous route's status and body."""
+    return json.dumps(
+        {
+            "id": random_id("batch_req_"),
+            "custom_id": custom_id,
+            "response": {"status_code": error.status_code, "request_id": random_id("req_"), "body": error.envelope()},
+            "error": None,
+        },
+        ensure_ascii=False,
+    )
+
+
+def unrun_line(custom_id: str | None, code: str) -> str:
+    """The error line of a row that never ran (``batch_cancelled`` or ``batch_expired``)."""
+    return json.dumps(
+        {
+            "id": random_id("batch_req_"),
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": code, "message": UNRUN_MESSAGES[code]},
+        },
+        ensure_ascii=False,
+    )
+
+
+class _StatusMoved(Exception):
+    """The batch left the expected status while its files were being written: roll back."""
+
+
+async def _write_files(
+    conn: AsyncConnection, batch: BatchRecord, unrun_code: str | None, file_expiry_seconds: int
+) -> dict[str, Any]:
+    created = now()
+    expires = created + (batch.output_expires_seconds or file_expiry_seconds)
+    writers: dict[str, store_files.ChunkWriter] = {}
+    completed = failed = 0
+
+    async def writer(kind: str) -> store_files.ChunkWriter:
+        if kind not in writers:
+            writers[kind] = await store_files.create_empty(
+                conn,
+                file_id=ordered_id("file-"),
+                purpose="batch_output",
+                filename=f"batch_{batch.id.removeprefix('batch_')}_{kind}.jsonl",
+                created_at=created,
+                expires_at=expires,
+            )
+        return writers[kind]
+
+    async for row in store_rows.iter_rows(conn, batch.id):
+        if row.state == "done":
+            assert row.result is not None
+            text, ok = row.result, row.outcome == "ok"
+        else:
+            text, ok = unrun_line(row.custom_id, unrun_code or "batch_cancelled"), False
+        await (await writer("output" if ok else "error")).write(text.encode("utf-8") + b"\n")
+        completed += ok
+        failed += not ok
+    for w in writers.values():
+        await w.close()
+    return {
+        "output_file_id": writers["output"].file_id if "output" in writers else None,
+        "error_file_id": writers["error"].file_id if "error" in writers else None,
+        "completed": completed,
+        "failed": failed,
+    }
+
+
+async def finish(
+    conn: AsyncConnection,
+    batch: BatchRecord,
+    *,
+    allowed: tuple[str, ...],
+    to: str,
+    unrun_code: str | None,
+    file_expiry_seconds: int,
+    extra: dict[str, Any] | None = None,
+) -> bool:
+    """Write the batch's output and error files and move it to ``to`` in the caller's transaction.
+
+    Raises nothing when the batch moved on meanwhile: the transaction is rolled back by the caller seeing False.
+    Returns whether the batch reached ``to``.
+    """
+    values = await _write_files(conn, batch, unrun_code, file_expiry_seconds)
+    values["total"] = max(batch.total, values["completed"] + values["failed"])
+    values.update(extra or {})
+    moved = await store_batches.transition(conn, batch.id, allowed, to, now(), waiting_reason=None, **values)
+    if not moved:
+        raise _StatusMoved(batch.id)
+    return True
+
+
+StatusMoved = _StatusMoved

@@ -1,0 +1,194 @@
+"""The ``miserver`` command line: a thin click layer over the library (DESIGN §3.6)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .settings import Settings
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="miserver")
+def main() -> None:
+    """miServer: an OpenAI-compatible inference server with a durable Batch API."""
+
+
+@main.command()
+@click.option("--host", envvar="MISERVER_HOST", default="127.0.0.1", show_default=True, help="Bind address.")
+@click.option("--port", envvar="MISERVER_PORT", default=8000, show_default=True, type=int, help="TCP port.")
+@click.option("--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL.")
+@click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+@click.option("--model", envvar="MISERVER_MODEL", default=None, help="Catalogue id, transformers dir or .gguf file.")
+@click.option("--served-model-name", envvar="MISERVER_SERVED_MODEL_NAME", default=None, help="Id to serve it under.")
+@click.option("--log-level", envvar="MISERVER_LOG_LEVEL", default="info", show_default=True)
+def serve(
+    host: str,
+    port: int,
+    database_url: str | None,
+    data_dir: str,
+    model: str | None,
+    served_model_name: str | None,
+    log_level: str,
+) -> None:
+    """Run the HTTP server, the resident model and the batch runner.
+
+    \b
+    Example:
+      miserver serve --port 8000 --data-dir ./var
+      MISERVER_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1/test miserver serve
+    The server is ready when GET /api/health answers 200.
+    """
+    import logging
+
+    import uvicorn
+
+    from .app import create_app
+
+    overrides: dict[str, Any] = {"host": host, "port": port, "data_dir": Path(data_dir), "log_level": log_level}
+    if database_url:
+        overrides["database_url"] = database_url
+    if model:
+        overrides["model"] = model
+    if served_model_name:
+        overrides["served_model_name"] = served_model_name
+    settings = Settings(**overrides)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+
+
+@main.group()
+def db() -> None:
+    """Database administration."""
+
+
+@db.command("upgrade")
+@click.option("--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL.")
+@click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+def db_upgrade(database_url: str | None, data_dir: str) -> None:
+    """Apply the schema migrations (serve does this at start too).
+
+    \b
+    Example:
+      miserver db upgrade --database-url postgresql+psycopg://postgres@127.0.0.1/test
+    """
+    from .store.db import upgrade
+
+    settings = Settings(data_dir=Path(data_dir), database_url=database_url)
+    upgrade(settings.resolved_database_url())
+    click.echo("database at head")
+
+
+def _client(url: str) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=url.rstrip("/") + "/v1", api_key="miserver", max_retries=2)
+
+
+@main.command()
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True, help="Server base URL.")
+def models(url: str) -> None:
+    """List the models a running server serves, ids exactly as requests must name them.
+
+    \b
+    Example:
+      miserver models --url http://127.0.0.1:8000
+    """
+    for m in _client(url).models.list():
+        click.echo(m.id)
+
+
+@main.group()
+def batch() -> None:
+    """Submit and watch batches on a running server (a client of the HTTP API)."""
+
+
+def _submit(url: str, path: str, endpoint: str, window: str) -> Any:
+    client = _client(url)
+    with open(path, "rb") as fh:
+        uploaded = client.files.create(file=(Path(path).name, fh), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window=window)  # type: ignore[arg-type]
+
+
+@batch.command("submit")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--endpoint", default="/v1/chat/completions", show_default=True)
+@click.option("--window", default="24h", show_default=True, help="completion_window, 1h-168h.")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+def batch_submit(path: str, endpoint: str, window: str, url: str) -> None:
+    """Upload PATH (JSONL) and create a batch; prints the batch id.
+
+    \b
+    Example:
+      miserver batch submit examples/topics.jsonl --endpoint /v1/chat/completions
+    """
+    click.echo(_submit(url, path, endpoint, window).id)
+
+
+@batch.command("status")
+@click.argument("batch_id")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+def batch_status(batch_id: str, url: str) -> None:
+    """Print a batch object as JSON.
+
+    \b
+    Example:
+      miserver batch status batch_0193...
+    """
+    click.echo(json.dumps(_client(url).batches.retrieve(batch_id).model_dump(), indent=2))
+
+
+def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool = True) -> Any:
+    """Poll until the batch is terminal, with a tqdm progress bar over ``request_counts``."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="row", disable=not show, file=sys.stderr, dynamic_ncols=True)
+    try:
+        while True:
+            b = client.batches.retrieve(batch_id)
+            counts = b.request_counts
+            if counts is not None:
+                bar.total = counts.total
+                bar.n = counts.completed + counts.failed
+                bar.set_postfix_str(f"{b.status} failed={counts.failed}")
+                bar.refresh()
+            if b.status in ("completed", "failed", "expired", "cancelled"):
+                return b
+            time.sleep(poll)
+    finally:
+        bar.close()
+
+
+@batch.command("run")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--endpoint", default="/v1/chat/completions", show_default=True)
+@click.option("--window", default="24h", show_default=True)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write the output lines here.")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+def batch_run(path: str, endpoint: str, window: str, output: str | None, url: str) -> None:
+    """Submit PATH, show progress until the batch ends, then save its output.
+
+    \b
+    Example:
+      miserver batch run examples/topics.jsonl -o results.jsonl
+    """
+    client = _client(url)
+    created = _submit(url, path, endpoint, window)
+    final = wait_for_batch(client, created.id)
+    click.echo(f"{final.id}: {final.status} {final.request_counts}")
+    if output and final.output_file_id:
+        Path(output).write_bytes(client.files.content(final.output_file_id).content)
+        click.echo(f"output written to {output}")
+    if final.status != "completed":
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Conversion of validated request fields into engine sampling parameters (never done on a request model).
+
+Defaults follow the OpenAI API: ``temperature`` 1, ``top_p`` 1, ``n`` 1.
+"""
+
+from __future__ import annotations
+
+from .base import GenerationRequest, SamplingParams
+
+
+def normalise_stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (OpenAI accepts a string or up to 4 strings)."""
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    return tuple(s for s in items if s)
+
+
+def generation_request(
+    prompt_ids: list[int],
+    *,
+    max_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    stop: str | list[str] | None,
+    seed: int,
+    logprobs: int | None,
+    n: int | None,
+) -> GenerationRequest:
+    """A :class:`GenerationRequest` for ``prompt_ids`` (shape ``[prompt_len]``) with OpenAI defaults applied."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        stop=normalise_stop(stop),
+        seed=seed,
+        logprobs=logprobs,
+    )
+    return GenerationRequest(prompt_ids=tuple(prompt_ids), params=params, n=n or 1)

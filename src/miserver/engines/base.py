@@ -1,0 +1,132 @@
+"""The engine protocol: typed requests in, typed results out. Engines know nothing of batches or HTTP.
+
+A request carries token ids (the service applies the chat template and tokenises), sampling parameters already
+validated, and a seed. Results carry token ids, decoded text and per-token logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling for one sequence.
+
+    ``temperature`` 0 means greedy (argmax). ``top_p`` in (0, 1]. ``stop`` are strings: generation ends before the
+    first occurrence and the string itself is not returned. ``logprobs`` is None (none wanted) or the number of top
+    alternatives per position (0-20); the chosen token's logprob is always included when not None.
+    ``seed`` seeds a private ``torch.Generator``: the same seed and prompt give the same output.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """``n`` independent samples of a continuation of ``prompt_ids`` (shape ``[prompt_len]``)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position: the chosen token, its natural-log probability, and the top alternatives (id, text, logprob)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass
+class Sequence_:
+    """One generated sequence: ids and text after stop-string trimming, with its finish reason."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class GenerationResult:
+    """All ``n`` sequences of a request; ``prompt_tokens`` counts the prompt once (OpenAI usage semantics)."""
+
+    sequences: list[Sequence_]
+    prompt_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """A streamed piece of one sequence. ``finish_reason`` is set on the sequence's last delta."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Provenance of the resident weights, copied into the ``X-miLLM-*`` headers."""
+
+    model_id: str
+    backend: str
+    dtype: str
+    weights_revision: str
+    context_length: int
+    extra_ids: tuple[str, ...] = field(default=())
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the services need from an engine."""
+
+    info: EngineInfo
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model accepts (ids are ``0 .. vocab_size - 1``)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens skipped)."""
+        ...
+
+    def tokenize_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Apply the model's chat template (with the generation prompt) and return token ids."""
+        ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of plain text, with the tokenizer's BOS when the model uses one."""
+        ...
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Run the request to completion on the engine's thread."""
+        ...
+
+    def generate_stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        """Yield deltas as tokens are produced; the last delta of each sequence has its finish reason."""
+        ...
+
+    async def close(self) -> None:
+        """Release the engine's thread and memory."""
+        ...

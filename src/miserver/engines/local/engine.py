@@ -1,0 +1,217 @@
+"""The local engine: one resident transformers model driven from one dedicated thread (DESIGN §8).
+
+All torch work (loading, prefill, decode) runs on a single ``miserver-engine`` worker thread, so requests are
+executed one at a time in submission order and the event loop never blocks on the model. Streaming hands deltas
+from that thread to the event loop through an ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miserver.engines.base import (
+    EngineInfo,
+    GenerationRequest,
+    GenerationResult,
+    Sequence_,
+    StreamDelta,
+)
+from miserver.engines.local.generate import generate_request
+from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
+
+_DONE = object()
+
+
+def _new_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="miserver-engine")
+
+
+class LocalEngine:
+    """An :class:`~miserver.engines.base.Engine` over a model in this process.
+
+    ``executions`` counts ``generate``/``generate_stream`` calls; ``on_execute``, when set, is called with each
+    request at that moment (tests use both to prove work is not run twice).
+    """
+
+    def __init__(self, loaded: LoadedModel, served_id: str, executor: ThreadPoolExecutor | None = None) -> None:
+        self._loaded: LoadedModel | None = loaded
+        self._executor = executor or _new_executor()
+        config = loaded.model.config
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.info = EngineInfo(
+            model_id=served_id,
+            backend="serial",
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            weights_revision=loaded.weights_revision,
+            context_length=self.context_length,
+        )
+        self.eos_ids = _eos_ids(loaded)
+        self._vocab_size = int(loaded.model.get_input_embeddings().weight.shape[0])
+        self.executions = 0
+        self.on_execute: Callable[[GenerationRequest], None] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        model: str,
+        served_model_name: str | None = None,
+        cache_dir: Path | str = Path("~/.cache/miserver"),
+        device: str | None = None,
+    ) -> LocalEngine:
+        """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine.
+
+        Raises ``ValueError`` for an unknown model id or path (see ``resolve_model_source``).
+        """
+        source = resolve_model_source(model, served_model_name)
+        executor = _new_executor()
+        cache = Path(cache_dir).expanduser()
+        try:
+            loaded = await asyncio.get_running_loop().run_in_executor(executor, load_model, source, cache, device)
+        except BaseException:
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+        return cls(loaded, source.served_id, executor)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, served_id: str) -> LocalEngine:
+        """An engine over a model already in memory (tests)."""
+        return cls(loaded, served_id)
+
+    @property
+    def loaded(self) -> LoadedModel:
+        """The resident model; raises ``RuntimeError`` once closed."""
+        if self._loaded is None:
+            raise RuntimeError("the engine is closed")
+        return self._loaded
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model accepts (rows of its input embedding; ids are ``0 .. vocab_size - 1``)."""
+        return self._vocab_size
+
+    def tokenize_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template, ending with the assistant prompt."""
+        ids: Any = self.loaded.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if not isinstance(ids, list):  # a BatchEncoding / dict, depending on the transformers version
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of plain ``text`` (with BOS when the tokenizer adds one)."""
+        return [int(i) for i in self.loaded.tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens dropped."""
+        return str(self.loaded.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Run ``request`` to completion on the engine thread; sequences come back in index order."""
+        self._count(request)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._run_to_end, request)
+
+    def generate_stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        """Deltas as tokens are produced. Closing the iterator early stops the work at the next token."""
+        self._count(request)
+        return self._stream(request)
+
+    async def close(self) -> None:
+        """Finish the running request, stop the thread and drop the model."""
+        if self._loaded is None:
+            return
+        executor = self._executor
+        await asyncio.get_running_loop().run_in_executor(None, lambda: executor.shutdown(True, cancel_futures=True))
+        self._loaded = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # --- engine thread -------------------------------------------------------------------------------------------
+
+    def _count(self, request: GenerationRequest) -> None:
+        if self._loaded is None:
+            raise RuntimeError("the engine is closed")
+        self.executions += 1
+        if self.on_execute is not None:
+            self.on_execute(request)
+
+    def _deltas(self, request: GenerationRequest, should_stop: Callable[[], bool] | None = None) -> Any:
+        loaded = self.loaded
+        return generate_request(
+            loaded.model,
+            loaded.tokenizer,
+            request,
+            eos_ids=self.eos_ids,
+            max_positions=self.context_length or None,
+            should_stop=should_stop,
+        )
+
+    def _run_to_end(self, request: GenerationRequest) -> GenerationResult:
+        want_logprobs = request.params.logprobs is not None
+        seqs = [Sequence_(i, [], "", "length", [] if want_logprobs else None) for i in range(request.n)]
+        texts: list[list[str]] = [[] for _ in seqs]
+        with torch.inference_mode():
+            for delta in self._deltas(request):
+                seq = seqs[delta.index]
+                texts[delta.index].append(delta.text)
+                seq.token_ids.extend(delta.token_ids)
+                if seq.logprobs is not None:
+                    seq.logprobs.extend(delta.logprobs)
+                if delta.finish_reason is not None:
+                    seq.finish_reason = delta.finish_reason
+        for seq, parts in zip(seqs, texts):
+            seq.text = "".join(parts)
+        return GenerationResult(sequences=seqs, prompt_tokens=len(request.prompt_ids))
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def put(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                cancelled.set()
+
+        def produce() -> None:
+            try:
+                with torch.inference_mode():
+                    for delta in self._deltas(request, cancelled.is_set):
+                        put(delta)
+            except BaseException as exc:  # handed to the consumer, re-raised there
+                put(exc)
+            finally:
+                put(_DONE)
+
+        loop.run_in_executor(self._executor, produce)
+        try:
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancelled.set()
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    """The tokenizer's EOS id plus the generation config's (an int or a list)."""
+    ids: set[int] = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    gen = getattr(loaded.model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra is not None:
+        ids.update(int(i) for i in extra)
+    return frozenset(ids)
+

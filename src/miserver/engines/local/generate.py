@@ -1,0 +1,256 @@
+"""Token-by-token generation in plain PyTorch, gpt-fast style: prefill, decode steps, sampling, detokenising.
+
+Everything here is synchronous and must run under ``torch.inference_mode`` on the engine's thread. Shapes: a prompt
+is ``[prompt_len]`` token ids; ``logits`` are always the float32 vector ``[vocab]`` of one position.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable, Collection, Iterator, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache
+
+from miserver.engines.base import FinishReason, GenerationRequest, SamplingParams, StreamDelta, TokenLogprob
+
+_REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
+
+
+def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, Cache]:
+    """Run the prompt ``input_ids`` (``[prompt_len]``, long, on the model's device, ``prompt_len >= 1``).
+
+    Returns the float32 logits ``[vocab]`` of the last position and the filled KV cache.
+    """
+    past = DynamicCache(config=model.config)
+    kwargs = {_cache_kwarg(type(model)): past}
+    out = model(input_ids=input_ids.unsqueeze(0), use_cache=True, logits_to_keep=1, **kwargs)
+    return out.logits[0, -1].float(), past  # the cache is filled in place
+
+
+def decode_step(model: PreTrainedModel, token: int, past: Cache) -> tuple[torch.Tensor, Cache]:
+    """Feed one token after ``past``; returns the float32 logits ``[vocab]`` of the next position and the cache."""
+    ids = torch.tensor([[token]], dtype=torch.long, device=model.device)
+    out = model(input_ids=ids, use_cache=True, **{_cache_kwarg(type(model)): past})
+    return out.logits[0, -1].float(), past
+
+
+@functools.cache
+def _cache_kwarg(model_type: type) -> str:
+    """``cache`` in recent transformers 5 releases, ``past_key_values`` before (now deprecated)."""
+    forward = getattr(model_type, "forward")
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick the next token from ``logits`` (``[vocab]``).
+
+    ``temperature`` 0 is argmax. Otherwise ``softmax(logits / temperature)`` restricted to the smallest set of most
+    likely tokens whose probability reaches ``top_p`` (at least one token), drawn with ``generator``, which must
+    live on the logits' device.
+    """
+    if params.temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p >= 1.0:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    sorted_probs, order = torch.sort(probs, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)  # the top token always stays
+    return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
+
+
+def logprobs_of(logits: torch.Tensor, token_id: int, k: int, token_text: Callable[[int], str]) -> TokenLogprob:
+    """The chosen token's natural-log probability and the ``k`` most likely alternatives, sorted descending.
+
+    Computed with ``log_softmax`` of the raw ``logits`` (before temperature and top_p, as vLLM does by default).
+    ``token_text`` renders one token id as text.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, str, float], ...] = ()
+    if k > 0:
+        values, ids = torch.topk(logp, k)
+        top = tuple((int(i), token_text(int(i)), float(v)) for v, i in zip(values.tolist(), ids.tolist()))
+    return TokenLogprob(token_id, token_text(token_id), float(logp[token_id]), top)
+
+
+class _Output:
+    """Detokenises one sequence incrementally and decides what text may be emitted.
+
+    The full id list is decoded at each token and the new suffix emitted, except (a) while the text ends in U+FFFD
+    (a multi-byte character split across tokens) and (b) the longest suffix that could still begin a stop string.
+    A token's ids/logprobs are emitted with the delta that completes its text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str], index: int) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.index = index
+        self.ids: list[int] = []
+        self.ends: list[int | None] = []  # offset in ``text`` where each token's text is complete
+        self.logprobs: list[TokenLogprob | None] = []
+        self.text = ""
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.stop_at: int | None = None
+
+    def add(self, token: int, logprob: TokenLogprob | None) -> None:
+        """Append a generated token; sets ``stop_at`` when a stop string is now complete."""
+        self.ids.append(token)
+        self.ends.append(None)
+        self.logprobs.append(logprob)
+        text = self._decode()
+        if text.endswith(_REPLACEMENT):
+            return  # wait for the rest of the character
+        self.text = text
+        for i in range(len(self.ends) - 1, -1, -1):
+            if self.ends[i] is not None:
+                break
+            self.ends[i] = len(text)
+        # No stop can start inside text already sent: it would have been held back.
+        found = [p for p in (text.find(s, self.sent_text) for s in self.stop) if p >= 0]
+        if found:
+            self.stop_at = min(found)
+
+    def pending(self) -> StreamDelta | None:
+        """The delta that can be sent now without risking text of a stop string, or None."""
+        upto = len(self.text)
+        longest = max((len(s) for s in self.stop), default=0)
+        for j in range(max(self.sent_text, len(self.text) - longest + 1), len(self.text)):
+            tail = self.text[j:]
+            if any(s.startswith(tail) for s in self.stop):
+                upto = j
+                break
+        return self._delta(upto, None)
+
+    def finish(self, reason: FinishReason) -> StreamDelta:
+        """The sequence's last delta: everything left, or everything before the stop string."""
+        if self.stop_at is not None:
+            delta = self._delta(self.stop_at, reason)
+        else:
+            self.text = self._decode()
+            self.ends = [len(self.text)] * len(self.ends)
+            delta = self._delta(len(self.text), reason)
+        return delta or StreamDelta(self.index, "", finish_reason=reason)
+
+    def _decode(self) -> str:
+        return str(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _delta(self, upto: int, reason: FinishReason | None) -> StreamDelta | None:
+        text = self.text[self.sent_text : upto] if upto > self.sent_text else ""
+        first = n = self.sent_tokens
+        while n < len(self.ids) and (end := self.ends[n]) is not None and end <= upto:
+            n += 1
+        if not text and n == first and reason is None:
+            return None
+        self.sent_text = max(self.sent_text, upto)
+        self.sent_tokens = n
+        lps = tuple(lp for lp in self.logprobs[first:n] if lp is not None)
+        return StreamDelta(self.index, text, tuple(self.ids[first:n]), lps, reason)
+
+
+def generate_sequence(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    index: int = 0,
+    seed: int | None = None,
+    eos_ids: Collection[int] = (),
+    max_positions: int | None = None,
+    prefilled: tuple[torch.Tensor, Cache] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[StreamDelta]:
+    """Generate one sequence, yielding :class:`StreamDelta` pieces; the last one carries the finish reason.
+
+    ``seed`` (default ``params.seed``) seeds a private generator. A token in ``eos_ids`` ends with ``"stop"`` and is
+    not returned; a stop string ends with ``"stop"`` and the text is cut before it (token ids keep only tokens
+    wholly before it); ``params.max_tokens`` tokens, or reaching ``max_positions`` (the context length), end with
+    ``"length"``. ``prefilled`` reuses (logits, cache) of the prompt; the cache is extended in place.
+    When ``should_stop()`` turns true the iterator ends at the next token without a final delta.
+    Raises ``ValueError`` for an empty prompt.
+    """
+    if params.max_tokens <= 0:
+        yield StreamDelta(index, "", finish_reason="length")
+        return
+    if not prompt_ids:
+        raise ValueError("the prompt has no tokens")
+    device = model.device
+    limit = params.max_tokens
+    if max_positions is not None:
+        limit = max(0, min(limit, max_positions - len(prompt_ids)))
+    generator = torch.Generator(device=device).manual_seed(params.seed if seed is None else seed)
+    logits, past = prefilled or prefill(model, torch.tensor(list(prompt_ids), dtype=torch.long, device=device))
+    out = _Output(tokenizer, params.stop, index)
+    token_text = _token_text(tokenizer)
+    for step in range(limit):
+        if should_stop is not None and should_stop():
+            return
+        token = sample(logits, params, generator)
+        if token in eos_ids:
+            yield out.finish("stop")
+            return
+        logprob = None if params.logprobs is None else logprobs_of(logits, token, params.logprobs, token_text)
+        out.add(token, logprob)
+        if out.stop_at is not None:
+            yield out.finish("stop")
+            return
+        delta = out.pending()
+        if delta is not None:
+            yield delta
+        if step + 1 < limit:
+            logits, past = decode_step(model, token, past)
+    yield out.finish("length")
+
+
+def generate_request(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    request: GenerationRequest,
+    *,
+    eos_ids: Collection[int] = (),
+    max_positions: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[StreamDelta]:
+    """All ``request.n`` sequences one after another (sequence ``i`` uses seed ``params.seed + i``).
+
+    The prompt is prefilled once; each sequence but the last decodes from a deep copy of that cache.
+    """
+    params = request.params
+    shared: tuple[torch.Tensor, Cache] | None = None
+    if params.max_tokens > 0 and request.prompt_ids:
+        ids = torch.tensor(list(request.prompt_ids), dtype=torch.long, device=model.device)
+        shared = prefill(model, ids)
+    for i in range(request.n):
+        if should_stop is not None and should_stop():
+            return
+        prefilled = None
+        if shared is not None:
+            prefilled = (shared[0], copy.deepcopy(shared[1]) if i < request.n - 1 else shared[1])
+        yield from generate_sequence(
+            model,
+            tokenizer,
+            request.prompt_ids,
+            params,
+            index=i,
+            seed=params.seed + i,
+            eos_ids=eos_ids,
+            max_positions=max_positions,
+            prefilled=prefilled,
+            should_stop=should_stop,
+        )
+
+
+def _token_text(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str]:
+    cache: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in cache:
+            cache[token_id] = str(tokenizer.decode([token_id], skip_special_tokens=False))
+        return cache[token_id]
+
+    return text

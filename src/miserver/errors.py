@@ -1,0 +1,116 @@
+"""The exception tree of miServer and its one mapping to the OpenAI error envelope.
+
+Every refusal, from a route or from a batch row, is an :class:`APIError`. Its :meth:`APIError.envelope` is the body
+``{"error": {"message", "type", "param", "code"}}`` that OpenAI returns, and :attr:`APIError.status_code` is the HTTP
+status. A batch error line carries exactly the same status and body as the synchronous route would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    """A client-visible error: HTTP status plus the OpenAI envelope fields."""
+
+    status_code: int = 400
+    type: str = "invalid_request_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def envelope(self) -> dict[str, Any]:
+        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def as_batch_error(self, line: int | None = None) -> dict[str, Any]:
+        """The ``batch.errors.data`` entry: ``{code, message, param, line}``."""
+        return {"code": self.code, "message": self.message, "param": self.param, "line": line}
+
+
+class InvalidRequestError(APIError):
+    """400: the request is malformed or names a bad value."""
+
+    default_code = "invalid_value"
+
+
+class MissingParameterError(InvalidRequestError):
+    """400: a required field is absent."""
+
+    default_code = "missing_required_parameter"
+
+
+class UnknownParameterError(InvalidRequestError):
+    """400: a field the endpoint does not know (strict mode)."""
+
+    default_code = "unknown_parameter"
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """400: a known field that this engine cannot honour (tools, logit_bias...); never silently ignored."""
+
+    default_code = "unsupported_parameter"
+
+
+class ContextLengthError(InvalidRequestError):
+    """400: the prompt plus ``max_tokens`` does not fit the model's context."""
+
+    default_code = "context_length_exceeded"
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    type = "authentication_error"
+
+
+class NotFoundError(APIError):
+    """404: an object (file, batch) that does not exist."""
+
+    status_code = 404
+    default_code = "not_found"
+
+
+class ModelNotFoundError(NotFoundError):
+    """404 ``model_not_found``: the request names a model this server does not serve."""
+
+    default_code = "model_not_found"
+
+
+class FileExpiredError(NotFoundError):
+    """404 ``file_expired``: the file's record stays, its content is gone."""
+
+    default_code = "file_expired"
+
+
+class ConflictError(APIError):
+    """409: the object is in a state that forbids the operation."""
+
+    status_code = 409
+    default_code = "conflict"
+
+
+class PayloadTooLargeError(APIError):
+    """413: an upload beyond a limit of DESIGN §6; the message names the limit and the measured value."""
+
+    status_code = 413
+    default_code = "file_too_large"
+
+
+class ServerError(APIError):
+    """500: a real fault of the server (never a client's mistake)."""
+
+    status_code = 500
+    type = "server_error"
+    default_code = "internal_error"
+
+
+class EngineUnavailableError(APIError):
+    """503: the engine cannot take the request now (model not resident, shutting down)."""
+
+    status_code = 503
+    type = "server_error"
+    default_code = "engine_unavailable"

@@ -1,0 +1,110 @@
+"""Pydantic models of the Batches API (``/v1/batches``) and of batch input and output lines (DESIGN §3.2-§3.3)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from .common import RequestModel, ResponseModel
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+
+#: Endpoints a batch accepts in this release; the rest of DESIGN §3.2 are refused until they exist.
+BATCH_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
+
+
+class OutputExpiresAfter(RequestModel):
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000)
+
+
+class BatchCreateRequest(RequestModel):
+    """``POST /v1/batches``. ``completion_window`` is ``"24h"`` or whole hours ``"1h"``-``"168h"``."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    output_expires_after: OutputExpiresAfter | None = None
+    pack: bool | None = None
+
+
+class BatchInputLine(RequestModel):
+    """One line of a batch input file."""
+
+    custom_id: str
+    method: str
+    url: str
+    body: dict[str, Any]
+
+
+class BatchError(ResponseModel):
+    code: str | None
+    message: str | None
+    param: str | None
+    line: int | None
+
+
+class BatchErrors(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(ResponseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(ResponseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(ResponseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = InputTokensDetails()
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+    total_tokens: int
+
+
+class BatchExtension(ResponseModel):
+    """miServer's ``millm`` block on a batch."""
+
+    pack: bool
+    waiting_reason: Literal["queued", "model_not_resident", "lease_unavailable", "weights_torn"] | None = None
+    lease_holder: str | None = None
+    description: str | None = None
+
+
+class Batch(ResponseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+    usage: BatchUsage
+    millm: BatchExtension

@@ -1,0 +1,122 @@
+"""Shared pieces of the protocol layer: the strict request base, parsing into OpenAI errors, usage.
+
+Request models accept unknown fields (``extra="allow"``) so that strict mode can name them: a synchronous route
+ignores them unless the request carries ``X-miLLM-Strict: true``; a batch line is always strict. Known fields that
+the engine cannot honour are refused by the service with ``unsupported_parameter`` in both modes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import InvalidRequestError, MissingParameterError, UnknownParameterError
+
+
+class RequestModel(BaseModel):
+    """Base of every request body: strict types (no ``"1"`` for a number), unknown fields kept for strict mode."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+
+class ResponseModel(BaseModel):
+    """Base of every response body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+R = TypeVar("R", bound=RequestModel)
+
+
+def param_path(loc: tuple[int | str, ...]) -> str:
+    """OpenAI's way of naming a nested field: ``("messages", 0, "content")`` -> ``messages[0].content``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _first_error(exc: ValidationError) -> InvalidRequestError:
+    errors = exc.errors(include_url=False)
+    # Prefer a missing field over a type error, then the first error in field order.
+    missing = [e for e in errors if e["type"] == "missing"]
+    err = missing[0] if missing else errors[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+    param = param_path(loc) or None
+    if err["type"] == "missing":
+        return MissingParameterError(f"Missing required parameter: '{param}'.", param=param)
+    kind = err["type"]
+    code = "invalid_type" if kind.endswith("_type") or kind in {"model_attributes_type", "list_type"} else "invalid_value"
+    msg = err["msg"]
+    return InvalidRequestError(f"Invalid value for '{param}': {msg}.", param=param, code=code)
+
+
+def unknown_fields(model: BaseModel, prefix: tuple[int | str, ...] = ()) -> list[str]:
+    """Every field the request carried that its model does not declare, as OpenAI param paths, in order."""
+    found: list[str] = []
+    for key in model.model_extra or {}:
+        found.append(param_path((*prefix, key)))
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            found.extend(unknown_fields(value, (*prefix, name)))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    found.extend(unknown_fields(item, (*prefix, name, i)))
+    return found
+
+
+def parse_request(model_cls: type[R], body: Any, *, strict: bool) -> R:
+    """Validate a decoded JSON body into ``model_cls``.
+
+    Raises :class:`InvalidRequestError` (400) when the body is not an object or a field is invalid,
+    :class:`MissingParameterError` for a missing required field, and, when ``strict``,
+    :class:`UnknownParameterError` naming the first unknown field.
+    """
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.", param=None, code="invalid_type")
+    try:
+        request = model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise _first_error(exc) from None
+    if strict:
+        extra = unknown_fields(request)
+        if extra:
+            raise UnknownParameterError(f"Unrecognized request argument supplied: {extra[0]}", param=extra[0])
+    return request
+
+
+class Usage(ResponseModel):
+    """Token counts of one response (OpenAI ``usage``)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ListObject(ResponseModel):
+    """The list envelope of ``/v1/files`` and ``/v1/batches``."""
+
+    object: str = "list"
+    data: list[Any]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -1,0 +1,29 @@
+"""Pydantic models of the Files API (``/v1/files``). Source: the OpenAI Files API reference, DESIGN §3.1."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from .common import ResponseModel
+
+FilePurpose = Literal["batch", "batch_output"]
+
+
+class FileObject(ResponseModel):
+    """A stored file. ``bytes`` is the exact content length; times are integer Unix seconds."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: FilePurpose
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileDeleted(ResponseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True

@@ -1,0 +1,102 @@
+"""Admission: one gate per engine, with slots, and interactive requests before batch chunks (DESIGN §5).
+
+A synchronous request takes a slot for its own duration; a batch runner takes one slot for a whole chunk and runs the
+chunk's rows under it. When a slot frees, the oldest waiting interactive request gets it before any batch chunk;
+within a class, first come first served. A batch therefore delays an interactive request by at most one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from enum import IntEnum
+
+
+class Priority(IntEnum):
+    """Admission classes; a lower value is served first."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
+class Slot:
+    """Proof that the holder has a slot of a gate (passed to services so a chunk's rows do not queue again)."""
+
+    def __init__(self, gate: AdmissionGate, priority: Priority) -> None:
+        self.gate = gate
+        self.priority = priority
+
+
+class AdmissionGate:
+    """A counting gate with two priority classes.
+
+    ``slots`` is the number of requests the engine runs at once (1 for the resident model).
+    """
+
+    def __init__(self, slots: int = 1) -> None:
+        if slots < 1:
+            raise ValueError("an admission gate needs at least one slot")
+        self.slots = slots
+        self._free = slots
+        self._waiters: dict[Priority, deque[asyncio.Future[None]]] = {p: deque() for p in Priority}
+        self.granted: dict[Priority, int] = {p: 0 for p in Priority}
+
+    def queue_length(self, priority: Priority) -> int:
+        """Requests of ``priority`` waiting for a slot now."""
+        return sum(1 for f in self._waiters[priority] if not f.done())
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - self._free
+
+    async def acquire(self, priority: Priority) -> Slot:
+        """Wait for a slot. Raises ``asyncio.CancelledError`` if the waiter is cancelled (nothing is held then)."""
+        ahead = any(self.queue_length(p) for p in Priority if p <= priority)
+        if self._free > 0 and not ahead:
+            self._free -= 1
+            self.granted[priority] += 1
+            return Slot(self, priority)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[priority].append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                # The slot was handed to us just as we were cancelled: pass it on.
+                self._release()
+            raise
+        finally:
+            try:
+                self._waiters[priority].remove(fut)
+            except ValueError:
+                pass
+        self.granted[priority] += 1
+        return Slot(self, priority)
+
+    def _release(self) -> None:
+        for priority in Priority:
+            for fut in self._waiters[priority]:
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+        self._free += 1
+
+    def release(self, slot: Slot) -> None:
+        """Give the slot back; it goes to the first interactive waiter, else the first batch waiter."""
+        if slot.gate is not self:
+            raise ValueError("slot belongs to another gate")
+        self._release()
+
+    @asynccontextmanager
+    async def hold(self, priority: Priority, slot: Slot | None = None) -> AsyncIterator[Slot]:
+        """Hold a slot for the block; if ``slot`` (already held by the caller) is given, reuse it."""
+        if slot is not None:
+            yield slot
+            return
+        held = await self.acquire(priority)
+        try:
+            yield held
+        finally:
+            self.release(held)

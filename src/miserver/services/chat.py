@@ -1,0 +1,149 @@
+"""``POST /v1/chat/completions`` on the resident model: the one code path for the route and for batch rows."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..engines.adapter import generation_request
+from ..engines.base import Engine, GenerationRequest, TokenLogprob
+from ..errors import InvalidRequestError
+from ..ids import now, random_id
+from ..protocol.chat import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    ChunkDelta,
+)
+from ..protocol.common import ChatTokenLogprob, TopLogprob, Usage, parse_request
+from .common import check_context, check_stop, refuse_unsupported
+from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
+
+UNSUPPORTED_FIELDS = (
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+)
+
+
+def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine]:
+    """Parse and check a request body without running it (batch validation calls this too).
+
+    Raises :class:`~miserver.errors.APIError`: 400 for schema, unknown (strict) and unsupported fields,
+    404 ``model_not_found``.
+    """
+    req = parse_request(ChatCompletionRequest, body, strict=strict)
+    refuse_unsupported({name: getattr(req, name) for name in UNSUPPORTED_FIELDS})
+    check_stop(req.stop)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+    engine = ctx.resolve_model(req.model)
+    return req, engine
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    role = {"developer": "system"}
+    return [{"role": role.get(m.role, m.role), "content": m.text()} for m in req.messages]
+
+
+def _logprob(lp: TokenLogprob) -> ChatTokenLogprob:
+    return ChatTokenLogprob(
+        token=lp.token,
+        logprob=lp.logprob,
+        bytes=list(lp.token.encode("utf-8")),
+        top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8"))) for _, t, v in lp.top],
+    )
+
+
+async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
+    """Run a chat completion. Returns a :class:`ServiceResult`, or a :class:`StreamResult` when ``stream`` is true."""
+    req, engine = check(ctx, body, strict=call.strict)
+    prompt = engine.tokenize_chat(_messages(req))
+    room = engine.info.context_length - len(prompt)
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(room, 1)
+    check_context(len(prompt), max_tokens, engine.info.context_length, param="messages")
+    seed, seed_header = ctx.pick_seed(req.seed)
+    gen = generation_request(
+        prompt,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=req.stop,
+        seed=seed,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        n=req.n,
+    )
+    headers = provenance_headers(engine, seed_header, call.lease)
+    completion_id = random_id("chatcmpl-")
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamResult(_stream(ctx, engine, gen, call, completion_id, include_usage), headers)
+    async with ctx.gate.hold(call.priority, call.slot):
+        result = await engine.generate(gen)
+    choices = [
+        ChatChoice(
+            index=s.index,
+            message=ChatCompletionMessage(content=s.text),
+            logprobs=ChoiceLogprobs(content=[_logprob(lp) for lp in s.logprobs]) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+        )
+        for s in result.sequences
+    ]
+    usage = Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        total_tokens=result.prompt_tokens + result.completion_tokens,
+    )
+    response = ChatCompletion(id=completion_id, created=now(), model=engine.info.model_id, choices=choices, usage=usage)
+    return ServiceResult(200, response.model_dump(), headers, usage.prompt_tokens, usage.completion_tokens)
+
+
+async def _stream(
+    ctx: ServiceContext, engine: Engine, gen: GenerationRequest, call: Call, completion_id: str, include_usage: bool
+) -> AsyncIterator[str]:
+    created = now()
+    model = engine.info.model_id
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        c = ChatCompletionChunk(id=completion_id, created=created, model=model, choices=choices, usage=usage)
+        return json.dumps(c.model_dump(exclude_none=False))
+
+    completion_tokens = 0
+    async with ctx.gate.hold(call.priority, call.slot):
+        for i in range(gen.n):
+            yield chunk([ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))])
+        async for delta in engine.generate_stream(gen):
+            completion_tokens += len(delta.token_ids)
+            logprobs = (
+                ChoiceLogprobs(content=[_logprob(lp) for lp in delta.logprobs])
+                if gen.params.logprobs is not None and delta.logprobs
+                else None
+            )
+            if delta.text or logprobs is not None:
+                yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(content=delta.text), logprobs=logprobs)])
+            if delta.finish_reason is not None:
+                yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=delta.finish_reason)])
+    if include_usage:
+        prompt_tokens = len(gen.prompt_ids)
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        yield chunk([], usage)
+    yield "[DONE]"

@@ -1,0 +1,78 @@
+"""Database engines, dialect differences and migrations. The only module that knows SQLite from PostgreSQL.
+
+URLs: ``sqlite:///path`` (embedded default, WAL mode, one process) or ``postgresql+psycopg://user@host/db``.
+The async driver is picked from the URL (``aiosqlite`` for SQLite, psycopg 3 async for PostgreSQL); Alembic runs
+with the synchronous driver of the same database.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+
+
+def sync_url(url: str) -> str:
+    """The synchronous driver URL for Alembic: ``sqlite+aiosqlite`` -> ``sqlite``; ``postgresql`` -> psycopg."""
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        return u.set(drivername="sqlite").render_as_string(hide_password=False)
+    if u.get_backend_name() == "postgresql":
+        return u.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    raise ValueError(f"unsupported database URL {url!r}: use sqlite:///path or postgresql+psycopg://...")
+
+
+def async_url(url: str) -> str:
+    """The asyncio driver URL: ``sqlite`` -> ``sqlite+aiosqlite``; ``postgresql`` -> ``postgresql+psycopg``."""
+    u = make_url(sync_url(url))
+    if u.get_backend_name() == "sqlite":
+        return u.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False)
+    return u.render_as_string(hide_password=False)
+
+
+def is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+def create_engine(url: str) -> AsyncEngine:
+    """An async engine for ``url``; SQLite gets WAL, foreign keys and a 30 s busy timeout on every connection."""
+    aurl = async_url(url)
+    if is_sqlite(url):
+        path = make_url(aurl).database
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(aurl, connect_args={"timeout": 30})
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(aurl, pool_size=10, max_overflow=10, pool_pre_ping=True)
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", sync_url(url).replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Apply Alembic migrations up to ``revision`` (idempotent). Creates the SQLite file's folder if needed."""
+    if is_sqlite(url):
+        path = make_url(url).database
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    command.upgrade(alembic_config(url), revision)

@@ -1,0 +1,165 @@
+"""Stored files: records in ``files``, bytes in ``file_chunks`` (1 MiB each), read and written with bounded memory.
+
+Every function takes an open connection so that callers can join file writes to other writes in one transaction
+(a batch's output files are created in the same transaction as its final status).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from .schema import TERMINAL_STATUSES, batches, file_chunks, files
+
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    id: str
+    purpose: str
+    filename: str
+    bytes: int
+    created_at: int
+    expires_at: int | None
+    status: str
+    status_details: str | None
+    content_deleted_at: int | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> FileRecord:
+        m = row._mapping
+        return cls(**{k: m[k] for k in cls.__dataclass_fields__})
+
+
+async def insert_file(
+    conn: AsyncConnection,
+    *,
+    file_id: str,
+    purpose: str,
+    filename: str,
+    created_at: int,
+    expires_at: int | None,
+    chunks: Iterable[bytes],
+) -> FileRecord:
+    """Insert a file record and its bytes. ``chunks`` may be of any size; they are re-cut to 1 MiB rows."""
+    await conn.execute(
+        insert(files).values(
+            id=file_id, purpose=purpose, filename=filename, bytes=0, created_at=created_at, expires_at=expires_at
+        )
+    )
+    total = 0
+    seq = 0
+    pending = bytearray()
+    for piece in chunks:
+        pending += piece
+        while len(pending) >= CHUNK_BYTES:
+            await conn.execute(insert(file_chunks).values(file_id=file_id, seq=seq, data=bytes(pending[:CHUNK_BYTES])))
+            total += CHUNK_BYTES
+            seq += 1
+            del pending[:CHUNK_BYTES]
+    if pending:
+        await conn.execute(insert(file_chunks).values(file_id=file_id, seq=seq, data=bytes(pending)))
+        total += len(pending)
+    await conn.execute(update(files).where(files.c.id == file_id).values(bytes=total))
+    record = await get_file(conn, file_id)
+    assert record is not None
+    return record
+
+
+class ChunkWriter:
+    """Appends bytes to a new file inside a transaction, 1 MiB rows at a time (for output files built row by row)."""
+
+    def __init__(self, conn: AsyncConnection, file_id: str) -> None:
+        self.conn = conn
+        self.file_id = file_id
+        self.seq = 0
+        self.total = 0
+        self.pending = bytearray()
+
+    async def write(self, data: bytes) -> None:
+        self.pending += data
+        while len(self.pending) >= CHUNK_BYTES:
+            await self._flush(bytes(self.pending[:CHUNK_BYTES]))
+            del self.pending[:CHUNK_BYTES]
+
+    async def _flush(self, data: bytes) -> None:
+        await self.conn.execute(insert(file_chunks).values(file_id=self.file_id, seq=self.seq, data=data))
+        self.seq += 1
+        self.total += len(data)
+
+    async def close(self) -> int:
+        """Flush the tail, set the record's ``bytes``, and return it."""
+        if self.pending:
+            await self._flush(bytes(self.pending))
+            self.pending.clear()
+        await self.conn.execute(update(files).where(files.c.id == self.file_id).values(bytes=self.total))
+        return self.total
+
+
+async def create_empty(
+    conn: AsyncConnection, *, file_id: str, purpose: str, filename: str, created_at: int, expires_at: int | None
+) -> ChunkWriter:
+    """Insert an empty file record and return a writer for its bytes."""
+    await conn.execute(
+        insert(files).values(
+            id=file_id, purpose=purpose, filename=filename, bytes=0, created_at=created_at, expires_at=expires_at
+        )
+    )
+    return ChunkWriter(conn, file_id)
+
+
+async def get_file(conn: AsyncConnection, file_id: str) -> FileRecord | None:
+    row = (await conn.execute(select(files).where(files.c.id == file_id))).first()
+    return FileRecord.from_row(row) if row else None
+
+
+async def list_files(
+    conn: AsyncConnection, *, purpose: str | None, limit: int, order: str, after: str | None
+) -> tuple[list[FileRecord], bool]:
+    """One page, ordered by id (creation order) ``desc`` or ``asc``; returns the page and ``has_more``."""
+    q = select(files)
+    if purpose:
+        q = q.where(files.c.purpose == purpose)
+    if after:
+        q = q.where(files.c.id < after if order == "desc" else files.c.id > after)
+    q = q.order_by(files.c.id.desc() if order == "desc" else files.c.id.asc()).limit(limit + 1)
+    rows = [FileRecord.from_row(r) for r in (await conn.execute(q)).all()]
+    return rows[:limit], len(rows) > limit
+
+
+async def referencing_active_batch(conn: AsyncConnection, file_id: str) -> str | None:
+    """The id of a non-terminal batch that reads ``file_id`` as its input, if any."""
+    q = (
+        select(batches.c.id)
+        .where(batches.c.input_file_id == file_id, batches.c.status.not_in(TERMINAL_STATUSES))
+        .limit(1)
+    )
+    return (await conn.execute(q)).scalar()
+
+
+async def delete_file(conn: AsyncConnection, file_id: str) -> bool:
+    """Delete the record and its bytes; False when there was no such file."""
+    await conn.execute(delete(file_chunks).where(file_chunks.c.file_id == file_id))
+    result = await conn.execute(delete(files).where(files.c.id == file_id))
+    return result.rowcount > 0
+
+
+async def iter_content(engine: AsyncEngine, file_id: str) -> AsyncIterator[bytes]:
+    """Yield a file's bytes chunk by chunk, one short read per chunk (bounded memory, no long transaction)."""
+    seq = 0
+    while True:
+        async with engine.connect() as conn:
+            data = (
+                await conn.execute(
+                    select(file_chunks.c.data).where(file_chunks.c.file_id == file_id, file_chunks.c.seq == seq)
+                )
+            ).scalar()
+        if data is None:
+            return
+        yield bytes(data)
+        seq += 1

@@ -1,0 +1,213 @@
+"""Batch rows: insert after validation, claim in chunks, record results exactly once.
+
+Exactly once (DESIGN §4): a claim stamps rows with a fresh ``claim_token`` (the fencing token) and a deadline; a
+result is recorded by ``UPDATE ... WHERE state = 'pending' AND claim_token = :token`` in the same transaction as the
+batch's counters, so a row with a recorded result can never be recorded (or claimed, hence run) again, and a
+worker whose claim was taken over cannot record. On PostgreSQL the claim is one statement with
+``FOR UPDATE SKIP LOCKED``; SQLite serialises writers, so the same statement without the lock clause is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from .schema import TERMINAL_STATUSES, batch_rows, batches
+
+PAGE_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class ClaimedRow:
+    line: int
+    custom_id: str
+    body: str
+
+
+@dataclass(frozen=True)
+class StoredRow:
+    line: int
+    custom_id: str | None
+    state: str
+    outcome: str | None
+    result: str | None
+
+
+async def insert_rows(conn: AsyncConnection, batch_id: str, rows: list[dict[str, Any]]) -> None:
+    """Insert validated rows: each dict has ``line``, ``custom_id``, ``valid``, and ``body`` (valid) or
+    ``result`` (invalid: the error line, recorded at once)."""
+    if not rows:
+        return
+    values = []
+    for r in rows:
+        valid = bool(r["valid"])
+        values.append(
+            {
+                "batch_id": batch_id,
+                "line": r["line"],
+                "custom_id": r.get("custom_id"),
+                "valid": valid,
+                "body": r.get("body") if valid else None,
+                "state": "pending" if valid else "done",
+                "outcome": None if valid else "error",
+                "result": None if valid else r["result"],
+            }
+        )
+    await conn.execute(insert(batch_rows), values)
+
+
+async def delete_rows(conn: AsyncConnection, batch_id: str) -> None:
+    """Forget a batch's rows (validation restarting after a crash)."""
+    await conn.execute(batch_rows.delete().where(batch_rows.c.batch_id == batch_id))
+
+
+async def claim(
+    conn: AsyncConnection,
+    *,
+    batch_id: str,
+    limit: int,
+    worker: str,
+    token: str,
+    now_ms: int,
+    ttl_ms: int,
+    skip_locked: bool,
+) -> list[ClaimedRow]:
+    """Claim up to ``limit`` pending rows of an ``in_progress`` batch, lowest line first, in one statement.
+
+    A row is claimable when it is pending and unclaimed or its claim's deadline passed. Returns the rows claimed
+    (ordered by line) with the token now on them.
+    """
+    inner = (
+        select(batch_rows.c.line)
+        .where(
+            batch_rows.c.batch_id == batch_id,
+            batch_rows.c.state == "pending",
+            (batch_rows.c.claimed_until.is_(None)) | (batch_rows.c.claimed_until < now_ms),
+        )
+        .order_by(batch_rows.c.line)
+        .limit(limit)
+    )
+    if skip_locked:
+        inner = inner.with_for_update(skip_locked=True)
+    stmt = (
+        update(batch_rows)
+        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.line.in_(inner.scalar_subquery()))
+        .where(
+            select(batches.c.id).where(batches.c.id == batch_id, batches.c.status == "in_progress").exists()
+        )
+        .values(claim_token=token, claimed_by=worker, claimed_until=now_ms + ttl_ms)
+        .returning(batch_rows.c.line, batch_rows.c.custom_id, batch_rows.c.body)
+    )
+    rows = (await conn.execute(stmt)).all()
+    return sorted((ClaimedRow(r.line, r.custom_id, r.body) for r in rows), key=lambda r: r.line)
+
+
+async def extend_claim(conn: AsyncConnection, *, batch_id: str, token: str, until_ms: int) -> None:
+    """Heartbeat: push the deadline of the rows still held under ``token``."""
+    await conn.execute(
+        update(batch_rows)
+        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.claim_token == token, batch_rows.c.state == "pending")
+        .values(claimed_until=until_ms)
+    )
+
+
+async def release_claim(conn: AsyncConnection, *, batch_id: str, token: str) -> None:
+    """Give back the unrecorded rows of a claim (stop, cancel) so that they can be claimed at once."""
+    await conn.execute(
+        update(batch_rows)
+        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.claim_token == token, batch_rows.c.state == "pending")
+        .values(claim_token=None, claimed_by=None, claimed_until=None)
+    )
+
+
+async def release_all_claims(conn: AsyncConnection) -> None:
+    """Forget every claim (SQLite start-up: one process, so any claim is from a previous life)."""
+    await conn.execute(
+        update(batch_rows)
+        .where(batch_rows.c.state == "pending", batch_rows.c.claimed_until.is_not(None))
+        .values(claim_token=None, claimed_by=None, claimed_until=None)
+    )
+
+
+async def record(
+    conn: AsyncConnection,
+    *,
+    batch_id: str,
+    line: int,
+    token: str,
+    ok: bool,
+    result: str,
+    input_tokens: int,
+    output_tokens: int,
+) -> bool:
+    """Record a row's result line and bump the batch's counters, in the caller's transaction.
+
+    Returns False (and changes nothing) when the row is already recorded or the claim was taken over.
+    """
+    changed = await conn.execute(
+        update(batch_rows)
+        .where(
+            batch_rows.c.batch_id == batch_id,
+            batch_rows.c.line == line,
+            batch_rows.c.state == "pending",
+            batch_rows.c.claim_token == token,
+        )
+        .values(
+            state="done",
+            outcome="ok" if ok else "error",
+            result=result,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            claimed_until=None,
+        )
+    )
+    if changed.rowcount != 1:
+        return False
+    counter = batches.c.completed if ok else batches.c.failed
+    values: dict[str, Any] = {counter.name: counter + 1}
+    if ok:
+        values["input_tokens"] = batches.c.input_tokens + input_tokens
+        values["output_tokens"] = batches.c.output_tokens + output_tokens
+    await conn.execute(update(batches).where(batches.c.id == batch_id).values(**values))
+    return True
+
+
+async def count_pending(conn: AsyncConnection, batch_id: str) -> int:
+    q = select(func.count()).select_from(batch_rows).where(
+        batch_rows.c.batch_id == batch_id, batch_rows.c.state == "pending"
+    )
+    return int((await conn.execute(q)).scalar() or 0)
+
+
+async def iter_rows(conn: AsyncConnection, batch_id: str) -> AsyncIterator[StoredRow]:
+    """Every row of a batch in line order, read in pages of 1,000 (bounded memory)."""
+    last = 0
+    while True:
+        q = (
+            select(
+                batch_rows.c.line, batch_rows.c.custom_id, batch_rows.c.state, batch_rows.c.outcome, batch_rows.c.result
+            )
+            .where(batch_rows.c.batch_id == batch_id, batch_rows.c.line > last)
+            .order_by(batch_rows.c.line)
+            .limit(PAGE_ROWS)
+        )
+        page = (await conn.execute(q)).all()
+        if not page:
+            return
+        for r in page:
+            yield StoredRow(r.line, r.custom_id, r.state, r.outcome, r.result)
+        last = page[-1].line
+
+
+async def backlog_rows(conn: AsyncConnection) -> int:
+    """Rows not yet run across every non-terminal batch (``inference.batch_backlog_rows``)."""
+    q = (
+        select(func.count())
+        .select_from(batch_rows.join(batches, batch_rows.c.batch_id == batches.c.id))
+        .where(batch_rows.c.state == "pending", batches.c.status.not_in(TERMINAL_STATUSES))
+    )
+    return int((await conn.execute(q)).scalar() or 0)

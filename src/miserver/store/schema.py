@@ -1,0 +1,144 @@
+"""The tables of miServer (SQLAlchemy Core). Invariants live here as keys, CHECKs and partial indexes.
+
+Times are integer Unix seconds, except claim deadlines (``claimed_until``) which are milliseconds.
+Ids are time-ordered (``file-``/``batch_`` + 12 hex digits of milliseconds + random), so ``ORDER BY id`` is creation
+order and list pagination needs no extra column.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(column_0_label)s",
+        "uq": "uq_%(table_name)s_%(column_0_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
+TERMINAL_STATUSES = ("failed", "completed", "expired", "cancelled")
+
+files = Table(
+    "files",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("purpose", String(32), nullable=False),
+    Column("filename", String(512), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, nullable=True),
+    Column("status", String(16), nullable=False, server_default="processed"),
+    Column("status_details", Text, nullable=True),
+    Column("content_deleted_at", BigInteger, nullable=True),
+    CheckConstraint("purpose IN ('batch', 'batch_output')", name="purpose"),
+    CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
+)
+
+file_chunks = Table(
+    "file_chunks",
+    metadata,
+    Column("file_id", String(64), ForeignKey("files.id", ondelete="CASCADE"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("data", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("file_id", "seq"),
+)
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("endpoint", String(64), nullable=False),
+    Column("model", String(512), nullable=True),
+    Column("input_file_id", String(64), nullable=False),
+    Column("completion_window", String(16), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("output_file_id", String(64), nullable=True),
+    Column("error_file_id", String(64), nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("in_progress_at", BigInteger, nullable=True),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("finalizing_at", BigInteger, nullable=True),
+    Column("completed_at", BigInteger, nullable=True),
+    Column("failed_at", BigInteger, nullable=True),
+    Column("expired_at", BigInteger, nullable=True),
+    Column("cancelling_at", BigInteger, nullable=True),
+    Column("cancelled_at", BigInteger, nullable=True),
+    Column("total", Integer, nullable=False, server_default="0"),
+    Column("completed", Integer, nullable=False, server_default="0"),
+    Column("failed", Integer, nullable=False, server_default="0"),
+    Column("input_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("output_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("metadata_json", Text, nullable=True),
+    Column("errors_json", Text, nullable=True),
+    Column("pack", Boolean, nullable=False, server_default=text("false")),
+    Column("output_expires_seconds", Integer, nullable=True),
+    Column("lease_holder", String(256), nullable=True),
+    Column("waiting_reason", String(32), nullable=True),
+    CheckConstraint("status IN (" + ", ".join(f"'{s}'" for s in BATCH_STATUSES) + ")", name="status"),
+    CheckConstraint("completed >= 0 AND failed >= 0 AND completed + failed <= total", name="counts"),
+)
+Index("ix_batches_active", batches.c.status, batches.c.id)
+
+batch_rows = Table(
+    "batch_rows",
+    metadata,
+    Column("batch_id", String(64), ForeignKey("batches.id", ondelete="CASCADE"), nullable=False),
+    Column("line", Integer, nullable=False),
+    Column("custom_id", String(512), nullable=True),
+    Column("valid", Boolean, nullable=False),
+    Column("body", Text, nullable=True),
+    Column("state", String(16), nullable=False),
+    Column("outcome", String(16), nullable=True),
+    Column("result", Text, nullable=True),
+    Column("claim_token", String(64), nullable=True),
+    Column("claimed_by", String(128), nullable=True),
+    Column("claimed_until", BigInteger, nullable=True),
+    Column("input_tokens", Integer, nullable=False, server_default="0"),
+    Column("output_tokens", Integer, nullable=False, server_default="0"),
+    PrimaryKeyConstraint("batch_id", "line"),
+    CheckConstraint("state IN ('pending', 'done')", name="state"),
+    CheckConstraint("outcome IS NULL OR outcome IN ('ok', 'error')", name="outcome"),
+    # A recorded row has its outcome and result; a pending row has neither.
+    CheckConstraint(
+        "(state = 'pending' AND outcome IS NULL AND result IS NULL) OR "
+        "(state = 'done' AND outcome IS NOT NULL AND result IS NOT NULL)",
+        name="recorded",
+    ),
+    # Only valid rows run, so only valid rows can be pending.
+    CheckConstraint("valid OR state = 'done'", name="invalid_rows_recorded"),
+)
+# custom_id is unique among the valid rows of a batch (a duplicate line is itself recorded as an error row).
+Index(
+    "uq_batch_rows_custom_id",
+    batch_rows.c.batch_id,
+    batch_rows.c.custom_id,
+    unique=True,
+    sqlite_where=batch_rows.c.valid,
+    postgresql_where=batch_rows.c.valid,
+)
+Index(
+    "ix_batch_rows_pending",
+    batch_rows.c.batch_id,
+    batch_rows.c.line,
+    sqlite_where=batch_rows.c.state == "pending",
+    postgresql_where=batch_rows.c.state == "pending",
+)

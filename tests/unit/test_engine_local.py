@@ -1,0 +1,269 @@
+"""The local engine on a tiny random Llama (fast), plus one slow test on the real SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from miserver.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams, StreamDelta
+from miserver.engines.local import generate as gen
+from miserver.engines.local import loader
+from miserver.engines.local.engine import LocalEngine
+from miserver.engines.local.generate import _Output
+from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
+from miserver.settings import EMBEDDED_MODEL_ID
+from tests.support.tiny_model import default_cache_dir
+
+CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    source = resolve_model_source(str(tiny_model_dir), None)
+    return load_model(source, tmp_path_factory.mktemp("cache"), "cpu")
+
+
+@pytest.fixture(scope="module")
+def engine(loaded: LoadedModel) -> Iterator[LocalEngine]:
+    eng = LocalEngine.from_loaded(loaded, "tiny")
+    yield eng
+    asyncio.run(eng.close())
+
+
+def request(engine: LocalEngine, n: int = 1, prompt: str | None = None, **params: object) -> GenerationRequest:
+    ids = engine.tokenize(prompt) if prompt is not None else engine.tokenize_chat(CHAT)
+    return GenerationRequest(tuple(ids), SamplingParams(**params), n)  # type: ignore[arg-type]
+
+
+async def collect(engine: LocalEngine, req: GenerationRequest) -> list[StreamDelta]:
+    return [d async for d in engine.generate_stream(req)]
+
+
+def joined(deltas: list[StreamDelta], index: int = 0) -> tuple[str, list[int]]:
+    mine = [d for d in deltas if d.index == index]
+    return "".join(d.text for d in mine), [t for d in mine for t in d.token_ids]
+
+
+def test_engine_protocol_and_info(engine: LocalEngine) -> None:
+    assert isinstance(engine, Engine)
+    assert engine.vocab_size == len(engine.loaded.tokenizer) == 49152
+    assert engine.info.backend == "serial"
+    assert engine.info.dtype == "float32"
+    assert engine.info.context_length == 512
+    assert engine.info.weights_revision.startswith("sha256:") and len(engine.info.weights_revision) == 19
+
+
+def test_tokenize_chat_returns_plain_ids(engine: LocalEngine) -> None:
+    ids = engine.tokenize_chat(CHAT)
+    assert isinstance(ids, list) and all(type(i) is int for i in ids)
+    text = engine.decode(ids)
+    assert "Tell me a story" in text
+    assert engine.loaded.tokenizer.decode(ids).rstrip().endswith("<|im_start|>assistant")
+    assert engine.tokenize("hello world") == engine.loaded.tokenizer("hello world")["input_ids"]
+
+
+async def test_greedy_is_deterministic(engine: LocalEngine) -> None:
+    req = request(engine, max_tokens=24, temperature=0.0)
+    a, b = await engine.generate(req), await engine.generate(req)
+    assert a.sequences[0].token_ids == b.sequences[0].token_ids
+    assert a.sequences[0].text == b.sequences[0].text == engine.decode(a.sequences[0].token_ids)
+
+
+async def test_same_seed_same_output_different_seeds_differ(engine: LocalEngine) -> None:
+    one = await engine.generate(request(engine, max_tokens=30, temperature=1.0, seed=1))
+    again = await engine.generate(request(engine, max_tokens=30, temperature=1.0, seed=1))
+    other = await engine.generate(request(engine, max_tokens=30, temperature=1.0, seed=2))
+    assert one.sequences[0].token_ids == again.sequences[0].token_ids
+    assert one.sequences[0].token_ids != other.sequences[0].token_ids
+
+
+async def test_tiny_top_p_is_greedy(engine: LocalEngine) -> None:
+    greedy = await engine.generate(request(engine, max_tokens=20, temperature=0.0))
+    nucleus = await engine.generate(request(engine, max_tokens=20, temperature=1.0, top_p=1e-6, seed=5))
+    assert nucleus.sequences[0].token_ids == greedy.sequences[0].token_ids
+
+
+async def test_max_tokens_gives_length(engine: LocalEngine) -> None:
+    req = request(engine, max_tokens=7, temperature=1.0, seed=3)
+    result = await engine.generate(req)
+    seq = result.sequences[0]
+    assert len(seq.token_ids) == 7 and seq.finish_reason == "length"
+    assert result.prompt_tokens == len(req.prompt_ids) and result.completion_tokens == 7
+
+
+async def test_max_tokens_zero_runs_no_model(engine: LocalEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: object) -> None:
+        raise AssertionError("the model must not run")
+
+    monkeypatch.setattr(gen, "prefill", boom)
+    monkeypatch.setattr(gen, "decode_step", boom)
+    result = await engine.generate(request(engine, n=2, max_tokens=0))
+    assert [(s.token_ids, s.text, s.finish_reason) for s in result.sequences] == [([], "", "length")] * 2
+    deltas = await collect(engine, request(engine, max_tokens=0))
+    assert deltas == [StreamDelta(0, "", finish_reason="length")]
+
+
+async def test_context_length_caps_generation(engine: LocalEngine) -> None:
+    prompt = tuple(engine.tokenize(" cat" * 510))[:510]
+    result = await engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=50, temperature=0.0)))
+    assert len(result.sequences[0].token_ids) == 2 and result.sequences[0].finish_reason == "length"
+
+
+async def test_eos_stops_and_is_not_returned(engine: LocalEngine, loaded: LoadedModel) -> None:
+    greedy = (await engine.generate(request(engine, prompt="Once upon a time", max_tokens=10, temperature=0.0)))
+    ids = greedy.sequences[0].token_ids
+    eng = LocalEngine.from_loaded(loaded, "tiny-eos")
+    eng.eos_ids = frozenset({ids[3]})
+    result = await eng.generate(request(eng, prompt="Once upon a time", max_tokens=10, temperature=0.0))
+    await eng.close()
+    first = ids.index(ids[3])
+    assert result.sequences[0].token_ids == ids[:first] and result.sequences[0].finish_reason == "stop"
+
+
+async def test_stop_string_trims_text_and_tokens(engine: LocalEngine) -> None:
+    base = request(engine, prompt="The weather today", max_tokens=40, temperature=1.0, seed=11)
+    full = (await engine.generate(base)).sequences[0]
+    # a stop string spanning a token boundary, somewhere in the middle of the output
+    cut = len(engine.decode(full.token_ids[:12]))
+    stop = full.text[cut - 2 : cut + 3]
+    expected = full.text[: full.text.index(stop)]
+    req = GenerationRequest(base.prompt_ids, SamplingParams(max_tokens=40, temperature=1.0, seed=11, stop=(stop,)))
+    seq = (await engine.generate(req)).sequences[0]
+    assert seq.finish_reason == "stop" and seq.text == expected
+    assert stop not in seq.text
+    assert seq.token_ids == full.token_ids[: len(seq.token_ids)]
+    assert expected.startswith(engine.decode(seq.token_ids)) and len(seq.token_ids) < len(full.token_ids)
+    deltas = await collect(engine, req)
+    assert joined(deltas) == (seq.text, seq.token_ids)
+    assert deltas[-1].finish_reason == "stop"
+
+
+async def test_logprobs_shape(engine: LocalEngine) -> None:
+    seq = (await engine.generate(request(engine, max_tokens=12, temperature=1.0, seed=4, logprobs=5))).sequences[0]
+    assert seq.logprobs is not None and len(seq.logprobs) == len(seq.token_ids) == 12
+    for token_id, lp in zip(seq.token_ids, seq.logprobs):
+        assert lp.token_id == token_id and lp.logprob <= 0.0
+        assert len(lp.top) == 5
+        values = [v for _, _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        for tid, text, value in lp.top:
+            assert isinstance(text, str)
+            if tid == token_id:
+                assert value == lp.logprob
+    greedy = (await engine.generate(request(engine, max_tokens=5, temperature=0.0, logprobs=0))).sequences[0]
+    assert greedy.logprobs is not None
+    assert all(lp.top == () for lp in greedy.logprobs)
+    without = (await engine.generate(request(engine, max_tokens=3))).sequences[0]
+    assert without.logprobs is None
+
+
+async def test_logprobs_ignore_temperature(engine: LocalEngine) -> None:
+    """Logprobs are of the raw logits: the first position's top list does not depend on the temperature."""
+    cold = (await engine.generate(request(engine, max_tokens=1, temperature=0.0, logprobs=3))).sequences[0]
+    hot = (await engine.generate(request(engine, max_tokens=1, temperature=2.0, logprobs=3))).sequences[0]
+    assert cold.logprobs and hot.logprobs and cold.logprobs[0].top == hot.logprobs[0].top
+    assert cold.logprobs[0].top[0][0] == cold.token_ids[0]
+
+
+async def test_stream_matches_non_stream(engine: LocalEngine) -> None:
+    req = request(engine, max_tokens=40, temperature=1.0, seed=7, logprobs=2)
+    result: GenerationResult = await engine.generate(req)
+    deltas = await collect(engine, req)
+    seq = result.sequences[0]
+    assert joined(deltas) == (seq.text, seq.token_ids)
+    assert [lp for d in deltas for lp in d.logprobs] == seq.logprobs
+    assert [d.finish_reason for d in deltas].count("length") == 1 and deltas[-1].finish_reason == "length"
+    assert len(deltas) > 5  # really incremental
+
+
+async def test_n_sequences_use_consecutive_seeds(engine: LocalEngine) -> None:
+    both = await engine.generate(request(engine, n=2, max_tokens=15, temperature=1.0, seed=20))
+    assert [s.index for s in both.sequences] == [0, 1]
+    for i, seq in enumerate(both.sequences):
+        alone = (await engine.generate(request(engine, max_tokens=15, temperature=1.0, seed=20 + i))).sequences[0]
+        assert seq.token_ids == alone.token_ids
+    assert both.completion_tokens == 30
+    deltas = await collect(engine, request(engine, n=2, max_tokens=15, temperature=1.0, seed=20))
+    assert [joined(deltas, i)[1] for i in range(2)] == [s.token_ids for s in both.sequences]
+
+
+async def test_executions_counter_and_hook(engine: LocalEngine) -> None:
+    seen: list[GenerationRequest] = []
+    engine.on_execute = seen.append
+    before = engine.executions
+    req = request(engine, max_tokens=2)
+    await engine.generate(req)
+    await collect(engine, req)
+    engine.on_execute = None
+    assert engine.executions == before + 2 and seen == [req, req]
+
+
+async def test_closing_a_stream_stops_the_work(engine: LocalEngine) -> None:
+    calls: list[int] = []
+    handle = engine.loaded.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        stream = engine.generate_stream(request(engine, max_tokens=400, temperature=1.0))
+        async for _ in stream:
+            break
+        await stream.aclose()  # type: ignore[attr-defined]
+        await engine.generate(request(engine, max_tokens=1))  # queued behind the producer on the one thread
+    finally:
+        handle.remove()
+    assert len(calls) < 50
+
+
+def test_incremental_text_holds_back_split_characters_and_stop_prefixes(loaded: LoadedModel) -> None:
+    text = "héllo 日本語 😀 and the end word, done"
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    out = _Output(loaded.tokenizer, ("end word,",), 0)
+    emitted: list[str] = []
+    for token in ids:
+        out.add(token, None)
+        if out.stop_at is not None:
+            break
+        delta = out.pending()
+        if delta is not None:
+            assert "\ufffd" not in delta.text
+            emitted.append(delta.text)
+    assert "end" not in "".join(emitted)  # "end word," could have started there: held back
+    emitted.append(out.finish("stop").text)
+    assert "".join(emitted) == "héllo 日本語 😀 and the "
+
+
+def test_resolve_model_source(tiny_model_dir: Path, tmp_path: Path) -> None:
+    embedded = resolve_model_source(EMBEDDED_MODEL_ID, None)
+    assert embedded.kind == "gguf" and embedded.served_id == EMBEDDED_MODEL_ID and embedded.path.is_file()
+    assert resolve_model_source(EMBEDDED_MODEL_ID, "smol").served_id == "smol"
+    folder = resolve_model_source(str(tiny_model_dir), None)
+    assert folder.kind == "directory" and folder.served_id == str(tiny_model_dir)
+    with pytest.raises(ValueError, match="nope"):
+        resolve_model_source(str(tmp_path / "nope"), None)
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model_source(str(tmp_path), None)
+
+
+@pytest.mark.slow
+async def test_real_model_answers_and_loads_from_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache_dir = default_cache_dir()
+    engine = await LocalEngine.start(EMBEDDED_MODEL_ID, cache_dir=cache_dir)
+    try:
+        assert engine.info.model_id == EMBEDDED_MODEL_ID
+        ids = engine.tokenize_chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+        result = await engine.generate(GenerationRequest(tuple(ids), SamplingParams(max_tokens=20, temperature=0.0)))
+        assert "Paris" in result.sequences[0].text
+        assert result.sequences[0].finish_reason == "stop"
+    finally:
+        await engine.close()
+    converted = loader.converted_path(resolve_model_source(EMBEDDED_MODEL_ID), cache_dir)
+    assert converted is not None and (converted / "config.json").is_file()
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("the second load must come from the cache")
+
+    monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
+    again = await LocalEngine.start(EMBEDDED_MODEL_ID, cache_dir=cache_dir)
+    assert again.info.weights_revision == engine.info.weights_revision
+    await again.close()
