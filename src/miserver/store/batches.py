@@ -54,8 +54,9 @@ class BatchRecord:
     @classmethod
     def from_row(cls, row: Any) -> BatchRecord:
         m = dict(row._mapping)
-        m["metadata"] = json.loads(m.pop("metadata_json")) if m.get("metadata_json") else None
-        m["errors"] = json.loads(m.pop("errors_json")) if m.get("errors_json") else None
+        metadata, errors = m.pop("metadata_json"), m.pop("errors_json")
+        m["metadata"] = json.loads(metadata) if metadata else None
+        m["errors"] = json.loads(errors) if errors else None
         m["pack"] = bool(m["pack"])
         return cls(**m)
 
