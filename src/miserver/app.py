@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import random
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +24,7 @@ from .api import inference as inference_api
 from .api import models as models_api
 from .api.common import AppState
 from .batches.runner import BatchRunner
-from .engines.base import Engine
+from .engines.base import Engine, GenerationRequest
 from .errors import APIError, InvalidRequestError, NotFoundError, ServerError
 from .ids import now, random_id
 from .protocol.common import param_path
@@ -48,6 +50,18 @@ async def load_engine(settings: Settings) -> Engine:
     )
 
 
+def _execution_logger(path: Path) -> Callable[[GenerationRequest], None]:
+    """An ``on_execute`` hook appending ``sha256(prompt ids)`` per engine execution to ``path`` (flushed at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log_execution(request: GenerationRequest) -> None:
+        digest = hashlib.sha256(",".join(map(str, request.prompt_ids)).encode()).hexdigest()[:16]
+        with path.open("a") as fh:
+            fh.write(digest + "\n")
+
+    return log_execution
+
+
 def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.envelope(), status_code=exc.status_code)
 
@@ -61,6 +75,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         store = await Store.open(settings.resolved_database_url())
         engine = await (engine_factory or load_engine)(settings)
+        if settings.execution_log is not None:
+            engine.on_execute = _execution_logger(settings.execution_log)  # type: ignore[attr-defined]
         ctx = ServiceContext(engine=engine, gate=AdmissionGate(1), rng=random.Random(settings.seed))
         runner = BatchRunner(store, ctx, settings)
         app.state.miserver = AppState(settings=settings, store=store, ctx=ctx, runner=runner, started_at=now())

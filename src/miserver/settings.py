@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         None, validation_alias=_env("MISERVER_SEED"), description="server seed for requests without one"
     )
     log_level: str = Field("info", validation_alias=_env("MISERVER_LOG_LEVEL"))
+    execution_log: Path | None = Field(
+        None,
+        validation_alias=_env("MISERVER_EXECUTION_LOG"),
+        description="append one line per engine execution (sha256 of the prompt ids) to this file; for audits "
+        "and the exactly-once tests",
+    )
 
     batch_max_rows: int = Field(50_000, validation_alias=_env("BATCH_MAX_ROWS"), ge=1)
     batch_max_file_bytes: int = Field(209_715_200, validation_alias=_env("BATCH_MAX_FILE_BYTES"), ge=1)
