@@ -43,7 +43,7 @@ def build_tiny_model(path: Path, cache_dir: Path | None = None) -> Path:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

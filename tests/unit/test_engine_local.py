@@ -61,7 +61,7 @@ def test_tokenize_chat_returns_plain_ids(engine: LocalEngine) -> None:
     assert isinstance(ids, list) and all(type(i) is int for i in ids)
     text = engine.decode(ids)
     assert "Tell me a story" in text
-    assert engine.loaded.tokenizer.decode(ids).rstrip().endswith("<|im_start|>assistant")
+    assert str(engine.loaded.tokenizer.decode(ids)).rstrip().endswith("<|im_start|>assistant")
     assert engine.tokenize("hello world") == engine.loaded.tokenizer("hello world")["input_ids"]
 
 
@@ -213,6 +213,21 @@ async def test_closing_a_stream_stops_the_work(engine: LocalEngine) -> None:
     finally:
         handle.remove()
     assert len(calls) < 50
+
+
+async def test_cancelling_generate_stops_the_work(engine: LocalEngine) -> None:
+    calls: list[int] = []
+    handle = engine.loaded.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        task = asyncio.create_task(engine.generate(request(engine, max_tokens=400, temperature=1.0)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.generate(request(engine, max_tokens=1))  # queued behind the cancelled work
+    finally:
+        handle.remove()
+    assert len(calls) < 100
 
 
 def test_incremental_text_holds_back_split_characters_and_stop_prefixes(loaded: LoadedModel) -> None:

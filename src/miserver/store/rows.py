@@ -93,9 +93,12 @@ async def claim(
     )
     if skip_locked:
         inner = inner.with_for_update(skip_locked=True)
+    # A CTE is evaluated once (PostgreSQL materialises a locking CTE); an ``IN (subquery)`` may be re-run per row,
+    # and with SKIP LOCKED each run would pick further rows past the LIMIT.
+    picked = inner.cte("picked")
     stmt = (
         update(batch_rows)
-        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.line.in_(inner.scalar_subquery()))
+        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.line == picked.c.line)
         .where(
             select(batches.c.id).where(batches.c.id == batch_id, batches.c.status == "in_progress").exists()
         )

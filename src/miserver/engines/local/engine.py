@@ -53,7 +53,9 @@ class LocalEngine:
             context_length=self.context_length,
         )
         self.eos_ids = _eos_ids(loaded)
-        self._vocab_size = int(loaded.model.get_input_embeddings().weight.shape[0])
+        embedding = loaded.model.get_input_embeddings()
+        rows = embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else config.vocab_size
+        self._vocab_size = int(rows)
         self.executions = 0
         self.on_execute: Callable[[GenerationRequest], None] | None = None
 
@@ -114,10 +116,18 @@ class LocalEngine:
         return str(self.loaded.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        """Run ``request`` to completion on the engine thread; sequences come back in index order."""
+        """Run ``request`` to completion on the engine thread; sequences come back in index order.
+
+        Cancelling the awaiting task stops the work at the next token.
+        """
         self._count(request)
+        cancelled = threading.Event()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._run_to_end, request)
+        try:
+            return await loop.run_in_executor(self._executor, self._run_to_end, request, cancelled.is_set)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
 
     def generate_stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
         """Deltas as tokens are produced. Closing the iterator early stops the work at the next token."""
@@ -154,12 +164,12 @@ class LocalEngine:
             should_stop=should_stop,
         )
 
-    def _run_to_end(self, request: GenerationRequest) -> GenerationResult:
+    def _run_to_end(self, request: GenerationRequest, should_stop: Callable[[], bool]) -> GenerationResult:
         want_logprobs = request.params.logprobs is not None
         seqs = [Sequence_(i, [], "", "length", [] if want_logprobs else None) for i in range(request.n)]
         texts: list[list[str]] = [[] for _ in seqs]
         with torch.inference_mode():
-            for delta in self._deltas(request):
+            for delta in self._deltas(request, should_stop):
                 seq = seqs[delta.index]
                 texts[delta.index].append(delta.text)
                 seq.token_ids.extend(delta.token_ids)

@@ -7,7 +7,6 @@ is ``[prompt_len]`` token ids; ``logits`` are always the float32 vector ``[vocab
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -38,11 +37,15 @@ def decode_step(model: PreTrainedModel, token: int, past: Cache) -> tuple[torch.
     return out.logits[0, -1].float(), past
 
 
-@functools.cache
+_CACHE_KWARG: dict[type, str] = {}
+
+
 def _cache_kwarg(model_type: type) -> str:
     """``cache`` in recent transformers 5 releases, ``past_key_values`` before (now deprecated)."""
-    forward = getattr(model_type, "forward")
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    if model_type not in _CACHE_KWARG:
+        params = inspect.signature(getattr(model_type, "forward")).parameters
+        _CACHE_KWARG[model_type] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARG[model_type]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -157,9 +157,8 @@ def load_model(source: ModelSource, cache_dir: Path, device: str | None = None) 
             digest = file_digest(_weight_files(source.path), cache_dir)
             folder = source.path
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        model.to(dev)
-        model.eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=dev)
+        model.eval()  # type: ignore[no-untyped-call]
     return LoadedModel(tokenizer, model, dev, dtype, f"sha256:{digest[:12]}")
 
 
@@ -183,7 +182,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers refuses to save a GGUF-loaded model; once dequantised it is an ordinary float model.
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
 

@@ -1,0 +1,157 @@
+"""The store on SQLite and PostgreSQL: exactly-once recording, fencing, guarded transitions, chunked files."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy.exc import IntegrityError
+
+from miserver.store import Store
+from miserver.store import batches as sb
+from miserver.store import files as sf
+from miserver.store import rows as sr
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    s = await Store.open(database_url)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1") -> None:
+    async with store.tx() as conn:
+        await sf.insert_file(conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1, expires_at=None, chunks=[b"x"])
+        await sb.insert_batch(
+            conn, batch_id=batch_id, endpoint="/v1/completions", input_file_id="file-1", completion_window="24h",
+            created_at=1, expires_at=86401, metadata={"k": "v"}, pack=False, output_expires_seconds=None,
+        )  # fmt: skip
+        await sr.insert_rows(
+            conn, batch_id, [{"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": "{}"} for i in range(n_rows)]
+        )
+        await sb.set_fields(conn, batch_id, total=n_rows)
+        assert await sb.transition(conn, batch_id, ("validating",), "in_progress", 2)
+
+
+async def claim(store: Store, token: str, limit: int = 3, now_ms: int = 1000, ttl_ms: int = 500) -> list[int]:
+    async with store.tx() as conn:
+        rows = await sr.claim(
+            conn, batch_id="batch_1", limit=limit, worker="w", token=token, now_ms=now_ms, ttl_ms=ttl_ms,
+            skip_locked=store.skip_locked,
+        )  # fmt: skip
+    return [r.line for r in rows]
+
+
+async def record(store: Store, line: int, token: str) -> bool:
+    async with store.tx() as conn:
+        return await sr.record(
+            conn, batch_id="batch_1", line=line, token=token, ok=True, result='{"ok": 1}', input_tokens=3, output_tokens=2
+        )
+
+
+async def test_claims_are_disjoint_and_in_line_order(store: Store) -> None:
+    await make_batch(store, 5)
+    assert await claim(store, "t1") == [1, 2, 3]
+    assert await claim(store, "t2") == [4, 5]
+    assert await claim(store, "t3") == []
+
+
+async def test_recorded_row_is_never_recorded_or_claimed_again(store: Store) -> None:
+    await make_batch(store, 2)
+    assert await claim(store, "t1", limit=1) == [1]
+    assert await record(store, 1, "t1")
+    assert not await record(store, 1, "t1")
+    # even after the claim's deadline the recorded row is not claimable
+    assert await claim(store, "t2", now_ms=10_000) == [2]
+    async with store.tx() as conn:
+        b = await sb.get_batch(conn, "batch_1")
+    assert b is not None and (b.completed, b.failed, b.input_tokens, b.output_tokens) == (1, 0, 3, 2)
+
+
+async def test_fencing_token_stops_a_worker_whose_claim_was_taken(store: Store) -> None:
+    await make_batch(store, 1)
+    assert await claim(store, "old", ttl_ms=100) == [1]
+    assert await claim(store, "new", now_ms=5000) == [1]  # the old claim expired and was taken over
+    assert not await record(store, 1, "old")
+    assert await record(store, 1, "new")
+
+
+async def test_released_claim_is_claimable_at_once(store: Store) -> None:
+    await make_batch(store, 2)
+    assert await claim(store, "t1") == [1, 2]
+    async with store.tx() as conn:
+        await sr.release_claim(conn, batch_id="batch_1", token="t1")
+    assert await claim(store, "t2") == [1, 2]
+
+
+async def test_claims_only_from_in_progress_batches(store: Store) -> None:
+    await make_batch(store, 2)
+    async with store.tx() as conn:
+        assert await sb.transition(conn, "batch_1", ("in_progress",), "cancelling", 3)
+    assert await claim(store, "t1") == []
+
+
+async def test_concurrent_claims_never_overlap(store: Store) -> None:
+    await make_batch(store, 40)
+    results = await asyncio.gather(*(claim(store, f"t{i}", limit=4) for i in range(10)))
+    lines = [line for r in results for line in r]
+    assert sorted(lines) == list(range(1, 41))
+
+
+async def test_terminal_status_is_never_overwritten(store: Store) -> None:
+    await make_batch(store, 1)
+    async with store.tx() as conn:
+        assert await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
+        assert await sb.transition(conn, "batch_1", ("finalizing",), "completed", 4)
+        assert not await sb.transition(conn, "batch_1", ("validating", "in_progress", "finalizing"), "cancelling", 5)
+        b = await sb.get_batch(conn, "batch_1")
+    assert b is not None and b.status == "completed" and b.cancelling_at is None and b.completed_at == 4
+
+
+async def test_schema_refuses_duplicate_valid_custom_ids(store: Store) -> None:
+    await make_batch(store, 1)
+    with pytest.raises(IntegrityError):
+        async with store.tx() as conn:
+            await sr.insert_rows(conn, "batch_1", [{"line": 9, "custom_id": "r0", "valid": True, "body": "{}"}])
+    # an invalid duplicate is allowed: it is recorded as an error row
+    async with store.tx() as conn:
+        await sr.insert_rows(conn, "batch_1", [{"line": 9, "custom_id": "r0", "valid": False, "result": "{}"}])
+
+
+async def test_schema_refuses_counts_beyond_total(store: Store) -> None:
+    await make_batch(store, 1)
+    with pytest.raises(IntegrityError):
+        async with store.tx() as conn:
+            await sb.set_fields(conn, "batch_1", completed=2)
+
+
+async def test_file_bytes_round_trip_in_chunks(store: Store) -> None:
+    payload = bytes(range(256)) * 9000  # 2.3 MB: three chunks
+    async with store.tx() as conn:
+        rec = await sf.insert_file(
+            conn, file_id="file-big", purpose="batch", filename="big.jsonl", created_at=1, expires_at=None,
+            chunks=[payload[i : i + 70_000] for i in range(0, len(payload), 70_000)],
+        )  # fmt: skip
+    assert rec.bytes == len(payload)
+    got = b"".join([c async for c in sf.iter_content(store.engine, "file-big")])
+    assert got == payload
+
+
+async def test_list_files_pages_without_gaps(store: Store) -> None:
+    async with store.tx() as conn:
+        for i in range(7):
+            await sf.insert_file(conn, file_id=f"file-{i:02d}", purpose="batch", filename="f", created_at=i, expires_at=None, chunks=[])
+    seen: list[str] = []
+    after = None
+    while True:
+        async with store.tx() as conn:
+            page, more = await sf.list_files(conn, purpose=None, limit=3, order="desc", after=after)
+        seen += [f.id for f in page]
+        if not more:
+            break
+        after = page[-1].id
+    assert seen == [f"file-{i:02d}" for i in reversed(range(7))]

@@ -1,0 +1,79 @@
+"""Admission: a waiting interactive request always gets the slot before the next batch chunk."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from miserver.scheduler import AdmissionGate, Priority
+
+
+async def test_interactive_goes_before_waiting_batch() -> None:
+    gate = AdmissionGate(1)
+    order: list[str] = []
+    first = await gate.acquire(Priority.BATCH)
+
+    async def take(name: str, priority: Priority) -> None:
+        slot = await gate.acquire(priority)
+        order.append(name)
+        gate.release(slot)
+
+    batch = asyncio.create_task(take("batch-2", Priority.BATCH))
+    await asyncio.sleep(0)  # let it queue first
+    interactive = asyncio.create_task(take("chat", Priority.INTERACTIVE))
+    await asyncio.sleep(0)
+    assert gate.queue_length(Priority.BATCH) == 1 and gate.queue_length(Priority.INTERACTIVE) == 1
+    gate.release(first)
+    await asyncio.gather(batch, interactive)
+    assert order == ["chat", "batch-2"]
+
+
+async def test_fifo_within_a_class() -> None:
+    gate = AdmissionGate(1)
+    held = await gate.acquire(Priority.INTERACTIVE)
+    order: list[int] = []
+
+    async def take(i: int) -> None:
+        async with gate.hold(Priority.INTERACTIVE):
+            order.append(i)
+
+    tasks = [asyncio.create_task(take(i)) for i in range(5)]
+    await asyncio.sleep(0)
+    gate.release(held)
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4]
+
+
+async def test_new_arrival_does_not_jump_the_queue() -> None:
+    gate = AdmissionGate(1)
+    held = await gate.acquire(Priority.BATCH)
+    waiter = asyncio.create_task(gate.acquire(Priority.INTERACTIVE))
+    await asyncio.sleep(0)
+    gate.release(held)  # handed to the waiter, not left free
+    assert gate.in_use == 1
+    slot = await waiter
+    gate.release(slot)
+    assert gate.in_use == 0
+
+
+async def test_cancelled_waiter_leaves_no_slot_behind() -> None:
+    gate = AdmissionGate(1)
+    held = await gate.acquire(Priority.BATCH)
+    waiter = asyncio.create_task(gate.acquire(Priority.INTERACTIVE))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    gate.release(held)
+    assert gate.in_use == 0
+    again = await asyncio.wait_for(gate.acquire(Priority.BATCH), 1)
+    gate.release(again)
+
+
+async def test_held_slot_is_reused_not_requeued() -> None:
+    gate = AdmissionGate(1)
+    async with gate.hold(Priority.BATCH) as slot:
+        async with gate.hold(Priority.INTERACTIVE, slot) as inner:
+            assert inner is slot and gate.in_use == 1
+    assert gate.in_use == 0

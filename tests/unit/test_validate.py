@@ -1,0 +1,119 @@
+"""Line validation of batch input files: each bad line gets the code, param and message a user can act on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from miserver.batches.validate import check_line, error_line, physical_lines
+from miserver.engines.base import EngineInfo
+from miserver.scheduler import AdmissionGate
+from miserver.services.context import ServiceContext
+
+MODEL = "org/Model-GGUF:Q4_1"
+ENDPOINT = "/v1/chat/completions"
+
+
+@pytest.fixture
+def ctx() -> ServiceContext:
+    engine = SimpleNamespace(info=EngineInfo(MODEL, "serial", "float32", "sha256:0", 512))
+    return ServiceContext(engine=engine, gate=AdmissionGate(1))  # type: ignore[arg-type]
+
+
+def line(**overrides: Any) -> bytes:
+    obj: dict[str, Any] = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": ENDPOINT,
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    }
+    obj.update(overrides)
+    return json.dumps({k: v for k, v in obj.items() if v is not ...}).encode()
+
+
+def check(ctx: ServiceContext, raw: bytes, seen: set[str] | None = None) -> tuple[str | None, str | None, str | None, int | None]:
+    cid, body, model, err = check_line(ctx, ENDPOINT, raw, set() if seen is None else seen)
+    if err is None:
+        return cid, None, model, None
+    return cid, err.code, err.param, err.status_code
+
+
+def test_valid_line_resolves_model(ctx: ServiceContext) -> None:
+    assert check(ctx, line()) == ("a", None, MODEL, None)
+
+
+@pytest.mark.parametrize(
+    ("raw", "code", "param"),
+    [
+        (b"{not json", "invalid_json_line", None),
+        (b"[1, 2]", "invalid_json_line", None),
+        (b"\xff\xfe{}", "invalid_encoding", None),
+        (line(custom_id=...), "missing_required_parameter", "custom_id"),
+        (line(custom_id=""), "invalid_value", "custom_id"),
+        (line(custom_id=7), "invalid_value", "custom_id"),
+        (line(method=...), "missing_required_parameter", "method"),
+        (line(method="GET"), "invalid_value", "method"),
+        (line(url="/v1/completions"), "invalid_url", "url"),
+        (line(body=...), "missing_required_parameter", "body"),
+        (line(body=[1]), "invalid_type", "body"),
+        (line(extra=1), "unknown_parameter", "extra"),
+        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}), "streaming_unsupported", "stream"),
+        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "foo": 1}), "unknown_parameter", "foo"),
+        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x", "foo": 1}]}), "unknown_parameter", "messages[0].foo"),
+        (line(body={"model": MODEL}), "missing_required_parameter", "messages"),
+        (line(body={"model": MODEL, "messages": "hi"}), "invalid_type", "messages"),
+        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), "invalid_type", "temperature"),
+        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 3}), "invalid_value", "temperature"),
+        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), "unsupported_parameter", "tools"),
+        (line(body={"model": "other", "messages": [{"role": "user", "content": "x"}]}), "model_not_found", "model"),
+    ],
+)
+def test_invalid_lines(ctx: ServiceContext, raw: bytes, code: str, param: str | None) -> None:
+    _, got_code, got_param, status = check(ctx, raw)
+    assert (got_code, got_param) == (code, param)
+    assert status == (404 if code == "model_not_found" else 400)
+
+
+def test_model_prefix_names_exact_id(ctx: ServiceContext) -> None:
+    body = {"model": "org/Model-GGUF", "messages": [{"role": "user", "content": "x"}]}
+    _, _, _, err = check_line(ctx, ENDPOINT, line(body=body), set())
+    assert err is not None and err.code == "model_not_found"
+    assert f"'{MODEL}'" in err.message
+
+
+def test_duplicate_custom_id(ctx: ServiceContext) -> None:
+    seen: set[str] = set()
+    assert check(ctx, line(), seen)[1] is None
+    assert check(ctx, line(), seen)[1:3] == ("duplicate_custom_id", "custom_id")
+
+
+def test_error_line_shape(ctx: ServiceContext) -> None:
+    _, _, _, err = check_line(ctx, ENDPOINT, line(method="GET"), set())
+    assert err is not None
+    out = json.loads(error_line("a", 7, err))
+    assert out["custom_id"] == "a" and out["error"] is None and out["millm"] == {"line": 7}
+    assert out["response"]["status_code"] == 400
+    assert out["response"]["body"]["error"]["param"] == "method"
+    assert out["id"].startswith("batch_req_")
+
+
+async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+async def _lines(parts: list[bytes]) -> list[tuple[int, bytes]]:
+    return [x async for x in physical_lines(_chunks(parts))]
+
+
+async def test_physical_lines_bom_crlf_and_split_chunks() -> None:
+    got = await _lines([b"\xef\xbb\xbfone\r\ntw", b"o\n\n  \nthree"])
+    assert got == [(1, b"one"), (2, b"two"), (3, b""), (4, b"  "), (5, b"three")]
+
+
+async def test_physical_lines_trailing_newline_adds_no_line() -> None:
+    assert await _lines([b"a\nb\n"]) == [(1, b"a"), (2, b"b")]
