@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.databases import database
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, tiny_server_process
 from tests.support.tiny_model import build_tiny_model
 
 
@@ -42,4 +42,49 @@ def tiny_server(tiny_model_dir: Path, database_url: str, tmp_path: Path) -> Iter
         env={"MISERVER_EXECUTION_LOG": str(tmp_path / "executions.log")},
     )
     with server:
+        yield server
+
+
+# -- module- and session-scoped servers (one start shared by many tests; each start costs seconds) ---------------
+
+
+@pytest.fixture(scope="module", params=DATABASE_KINDS)
+def module_database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A fresh database of each kind, shared by the tests of one module."""
+    with database(request.param, tmp_path_factory.mktemp(f"db-{request.param}")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_server(
+    tiny_model_dir: Path, module_database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Like ``tiny_server`` (served as ``tiny``, SQLite then PostgreSQL), started once for a module's tests.
+
+    Tests sharing it must leave no batch running when they end (wait for a terminal status).
+    """
+    root = tmp_path_factory.mktemp("server")
+    with tiny_server_process(tiny_model_dir, root, database_url=module_database_url) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def sqlite_module_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The tiny model served as ``tiny`` on SQLite, shared by a module whose tests do not depend on the database."""
+    root = tmp_path_factory.mktemp("server")
+    with tiny_server_process(tiny_model_dir, root) as server:
+        yield server
+
+
+QUANTIZED_ID = "org/Tiny-GGUF:Q4_1"
+
+
+@pytest.fixture(scope="session")
+def quantized_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The tiny model served under a quantization-style id (``QUANTIZED_ID``) on SQLite, for the model-prefix cases.
+
+    Session-scoped: the synchronous and the batch tests of the prefix message share one start.
+    """
+    root = tmp_path_factory.mktemp("quantized-server")
+    with tiny_server_process(tiny_model_dir, root, served_model_name=QUANTIZED_ID) as server:
         yield server

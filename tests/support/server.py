@@ -118,3 +118,28 @@ def wait_for(predicate: Any, timeout: float = 120.0, interval: float = 0.1) -> A
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def tiny_server_process(
+    model_dir: Path,
+    root: Path,
+    *,
+    database_url: str | None = None,
+    served_model_name: str = "tiny",
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> ServerProcess:
+    """A (not yet started) server for the tiny model with its files under ``root``.
+
+    Defaults: SQLite at ``root/miserver.db``, data dir ``root/var``, ``MISERVER_EXECUTION_LOG`` at
+    ``root/executions.log``; ``env`` adds or overrides variables. Construct it again with the same arguments (and a
+    new port) to restart a server on the same database and data directory.
+    """
+    return ServerProcess(
+        model=str(model_dir),
+        served_model_name=served_model_name,
+        database_url=database_url or f"sqlite:///{root / 'miserver.db'}",
+        data_dir=root / "var",
+        env={"MISERVER_EXECUTION_LOG": str(root / "executions.log"), **(env or {})},
+        port=port,
+    )

@@ -190,6 +190,13 @@ async def test_n_sequences_use_consecutive_seeds(engine: LocalEngine) -> None:
     assert [joined(deltas, i)[1] for i in range(2)] == [s.token_ids for s in both.sequences]
 
 
+async def test_concurrent_requests_are_serialised_and_unchanged(engine: LocalEngine) -> None:
+    reqs = [request(engine, max_tokens=10, temperature=1.0, seed=s) for s in (30, 31, 32)]
+    alone = [await engine.generate(r) for r in reqs]
+    together = await asyncio.gather(*(engine.generate(r) for r in reqs))
+    assert [r.sequences[0].token_ids for r in together] == [r.sequences[0].token_ids for r in alone]
+
+
 async def test_executions_counter_and_hook(engine: LocalEngine) -> None:
     seen: list[GenerationRequest] = []
     engine.on_execute = seen.append

@@ -127,7 +127,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
             metadata=req.metadata,
             pack=st.settings.batch_pack_default if req.pack is None else req.pack,
             output_expires_seconds=req.output_expires_after.seconds if req.output_expires_after else None,
-            lease_holder=request.headers.get("x-millm-lease"),
+            caller_lease=request.headers.get("x-millm-lease"),
         )
     st.runner.wake()
     return batch_object(batch)

@@ -46,6 +46,9 @@ class BatchRecord:
     output_expires_seconds: int | None
     lease_holder: str | None
     waiting_reason: str | None
+    caller_lease: str | None
+    claimed_by: str | None
+    claimed_until: int | None
 
     @property
     def terminal(self) -> bool:
@@ -73,7 +76,7 @@ async def insert_batch(
     metadata: dict[str, str] | None,
     pack: bool,
     output_expires_seconds: int | None,
-    lease_holder: str | None = None,
+    caller_lease: str | None = None,
 ) -> BatchRecord:
     await conn.execute(
         insert(batches).values(
@@ -87,7 +90,7 @@ async def insert_batch(
             metadata_json=json.dumps(metadata) if metadata is not None else None,
             pack=pack,
             output_expires_seconds=output_expires_seconds,
-            lease_holder=lease_holder,
+            caller_lease=caller_lease,
         )
     )
     record = await get_batch(conn, batch_id)

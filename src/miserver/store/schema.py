@@ -93,6 +93,11 @@ batches = Table(
     Column("output_expires_seconds", Integer, nullable=True),
     Column("lease_holder", String(256), nullable=True),
     Column("waiting_reason", String(32), nullable=True),
+    # the lease a caller handed the batch (X-miLLM-Lease at create, or POST /v1/batches/{id}/lease)
+    Column("caller_lease", String(128), nullable=True),
+    # which process validates or finishes the batch now (several workers share PostgreSQL)
+    Column("claimed_by", String(128), nullable=True),
+    Column("claimed_until", BigInteger, nullable=True),
     CheckConstraint("status IN (" + ", ".join(f"'{s}'" for s in BATCH_STATUSES) + ")", name="status"),
     CheckConstraint("completed >= 0 AND failed >= 0 AND completed + failed <= total", name="counts"),
 )
@@ -141,4 +146,27 @@ Index(
     batch_rows.c.line,
     sqlite_where=batch_rows.c.state == "pending",
     postgresql_where=batch_rows.c.state == "pending",
+)
+
+# Idempotency-Key on POST /v1/files and POST /v1/batches: the first answer is replayed for a retry with the same key
+# and the same body; the same key with another body is a 409.
+idempotency_keys = Table(
+    "idempotency_keys",
+    metadata,
+    Column("key", String(256), nullable=False),
+    Column("route", String(64), nullable=False),
+    Column("body_sha256", String(64), nullable=False),
+    Column("status_code", Integer, nullable=False),
+    Column("response", Text, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    PrimaryKeyConstraint("route", "key"),
+)
+
+# Facts about a model's resident weights that must survive a restart (the weights-torn flag of DESIGN §3.5).
+model_state = Table(
+    "model_state",
+    metadata,
+    Column("model_id", String(512), primary_key=True),
+    Column("weights_torn", Boolean, nullable=False, server_default=text("false")),
+    Column("updated_at", BigInteger, nullable=False),
 )
