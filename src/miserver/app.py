@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import random
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,44 +19,16 @@ from .api import files as files_api
 from .api import health as health_api
 from .api import inference as inference_api
 from .api import models as models_api
+from .api import leases as leases_api
 from .api.common import AppState
-from .batches.runner import BatchRunner
-from .engines.base import Engine, GenerationRequest
 from .errors import APIError, InvalidRequestError, NotFoundError, ServerError
 from .ids import now, random_id
 from .protocol.common import param_path
-from .scheduler import AdmissionGate
-from .services.context import ServiceContext
+from .events import ProgressEvents
+from .runtime import EngineFactory, start_runtime
 from .settings import Settings
-from .store import Store
 
 log = logging.getLogger("miserver")
-
-EngineFactory = Callable[[Settings], "asyncio.Future[Engine] | Any"]
-
-
-async def load_engine(settings: Settings) -> Engine:
-    """The resident engine for ``settings.model`` (imported lazily: torch is heavy)."""
-    from .engines.local.engine import LocalEngine
-
-    return await LocalEngine.start(
-        model=settings.model,
-        served_model_name=settings.served_model_name,
-        cache_dir=settings.cache_dir,
-        device=settings.device,
-    )
-
-
-def _execution_logger(path: Path) -> Callable[[GenerationRequest], None]:
-    """An ``on_execute`` hook appending ``sha256(prompt ids)`` per engine execution to ``path`` (flushed at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def log_execution(request: GenerationRequest) -> None:
-        digest = hashlib.sha256(",".join(map(str, request.prompt_ids)).encode()).hexdigest()[:16]
-        with path.open("a") as fh:
-            fh.write(digest + "\n")
-
-    return log_execution
 
 
 def _error_response(exc: APIError) -> JSONResponse:
@@ -67,29 +36,38 @@ def _error_response(exc: APIError) -> JSONResponse:
 
 
 def create_app(settings: Settings | None = None, *, engine_factory: EngineFactory | None = None) -> FastAPI:
-    """Build the application. ``engine_factory(settings)`` may replace model loading (tests)."""
+    """Build the HTTP application. ``engine_factory(settings)`` may replace model loading (tests).
+
+    ``app.state.events`` is the Socket.IO server; :func:`create_asgi` wraps the app so that it serves
+    ``/socket.io`` too.
+    """
     settings = settings or Settings()
+    events = ProgressEvents(poll_seconds=settings.batch_poll_seconds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        store = await Store.open(settings.resolved_database_url())
-        engine = await (engine_factory or load_engine)(settings)
-        if settings.execution_log is not None:
-            engine.on_execute = _execution_logger(settings.execution_log)  # type: ignore[attr-defined]
-        ctx = ServiceContext(engine=engine, gate=AdmissionGate(1), rng=random.Random(settings.seed))
-        runner = BatchRunner(store, ctx, settings)
-        app.state.miserver = AppState(settings=settings, store=store, ctx=ctx, runner=runner, started_at=now())
-        task = asyncio.create_task(runner.run(), name="miserver-batch-runner")
-        log.info("miServer ready: model %s, database %s", engine.info.model_id, "sqlite" if store.is_sqlite else "postgresql")
+        runtime = await start_runtime(settings, engine_factory=engine_factory, on_change=events.notify)
+        events.bind(runtime.store)
+        app.state.miserver = AppState(
+            settings=settings,
+            store=runtime.store,
+            ctx=runtime.ctx,
+            runner=runtime.runner,
+            residency=runtime.residency,
+            started_at=now(),
+        )
+        task = asyncio.create_task(runtime.runner.run(), name="miserver-batch-runner")
+        events.start()
+        engine = runtime.ctx.engine
+        log.info("miServer ready: model %s, database %s", engine.info.model_id if engine else None, runtime.store.url.split(":")[0])
         try:
             yield
         finally:
-            runner.stop()
+            runtime.runner.stop()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await engine.close()
-            await store.close()
+            await events.stop()
+            await runtime.close()
 
     app = FastAPI(title="miServer", version="0.1.0", lifespan=lifespan)
 
@@ -126,6 +104,13 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         log.exception("unhandled error", exc_info=exc)
         return _error_response(ServerError("The server had an error while processing your request."))
 
-    for module in (inference_api, models_api, files_api, batches_api, health_api):
+    for module in (inference_api, models_api, files_api, batches_api, leases_api, health_api):
         app.include_router(module.router)
+    app.state.events = events
     return app
+
+
+def create_asgi(settings: Settings | None = None, *, engine_factory: EngineFactory | None = None) -> Any:
+    """The application with Socket.IO mounted at ``/socket.io`` (what ``miserver serve`` runs)."""
+    app = create_app(settings, engine_factory=engine_factory)
+    return app.state.events.asgi(app)

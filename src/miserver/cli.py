@@ -50,7 +50,7 @@ def serve(
 
     import uvicorn
 
-    from .app import create_app
+    from .app import create_asgi
 
     overrides: dict[str, Any] = {"host": host, "port": port, "data_dir": Path(data_dir), "log_level": log_level}
     if database_url:
@@ -61,7 +61,76 @@ def serve(
         overrides["served_model_name"] = served_model_name
     settings = Settings(**overrides)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    _check_sqlite_free(settings)
+    uvicorn.run(create_asgi(settings), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+
+
+@main.command()
+@click.option("--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="PostgreSQL URL shared with the server.")
+@click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+@click.option("--model", envvar="MISERVER_MODEL", default=None, help="Catalogue id, transformers dir or .gguf file.")
+@click.option("--served-model-name", envvar="MISERVER_SERVED_MODEL_NAME", default=None, help="Id to serve it under.")
+@click.option("--worker-id", default=None, help="Name in row claims (default: worker-<random>).")
+@click.option("--log-level", envvar="MISERVER_LOG_LEVEL", default="info", show_default=True)
+def worker(
+    database_url: str | None,
+    data_dir: str,
+    model: str | None,
+    served_model_name: str | None,
+    worker_id: str | None,
+    log_level: str,
+) -> None:
+    """Run the batch runner and a resident model without the HTTP API.
+
+    Workers share batches with the server through PostgreSQL: each claims chunks of rows with FOR UPDATE SKIP
+    LOCKED and heartbeats its claims; the chunk of a worker that dies is reclaimed after BATCH_CLAIM_TTL_SECONDS.
+    SIGTERM stops it gracefully (the row in progress is recorded first).
+
+    \b
+    Example:
+      MISERVER_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1/miserver miserver worker
+    """
+    import asyncio
+    import logging
+    import signal
+
+    from .runtime import start_runtime
+    from .store.db import DatabaseInUseError
+
+    overrides: dict[str, Any] = {"data_dir": Path(data_dir), "log_level": log_level}
+    for key, value in (("database_url", database_url), ("model", model), ("served_model_name", served_model_name)):
+        if value:
+            overrides[key] = value
+    settings = Settings(**overrides)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def run() -> None:
+        runtime = await start_runtime(settings, worker_id=worker_id)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, runtime.runner.stop)
+        logging.getLogger("miserver").info("worker %s ready", runtime.runner.worker_id)
+        try:
+            await runtime.runner.run()
+        finally:
+            await runtime.close()
+
+    try:
+        asyncio.run(run())
+    except DatabaseInUseError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _check_sqlite_free(settings: Settings) -> None:
+    """Fail early, with the store's clear message, when another process serves the same SQLite database."""
+    from .store.db import DatabaseInUseError, ProcessLock, is_sqlite
+
+    url = settings.resolved_database_url()
+    if is_sqlite(url):
+        try:
+            ProcessLock.acquire(url).release()
+        except DatabaseInUseError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 @main.group()

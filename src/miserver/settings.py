@@ -77,6 +77,15 @@ class Settings(BaseSettings):
         gt=0,
         description="a chunk stops taking rows once it has held the slot this long",
     )
+    batch_claim_ttl_seconds: float = Field(
+        30.0,
+        validation_alias=_env("BATCH_CLAIM_TTL_SECONDS"),
+        gt=0,
+        description="a claimed chunk whose worker stops heartbeating is reclaimed after this long",
+    )
+    batch_lease_ttl_seconds: float = Field(
+        60.0, validation_alias=_env("BATCH_LEASE_TTL_SECONDS"), gt=0, description="TTL of a running batch's own lease"
+    )
     batch_poll_seconds: float = Field(
         1.0, validation_alias=_env("BATCH_POLL_SECONDS"), gt=0, description="runner's idle poll interval"
     )

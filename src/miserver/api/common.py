@@ -23,6 +23,7 @@ class AppState:
     store: Store
     ctx: ServiceContext
     runner: Any  # batches.runner.BatchRunner (typed loosely to keep api/ free of the runner's imports)
+    residency: Any  # services.residency.Residency
     started_at: int = 0
 
 

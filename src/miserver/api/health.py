@@ -23,6 +23,7 @@ async def health_detailed(request: Request) -> dict[str, Any]:
     async with st.store.engine.connect() as conn:
         backlog = await store_rows.backlog_rows(conn)
     gate = st.ctx.gate
+    lease = st.ctx.leases.current()
     engine = st.ctx.engine
     return {
         "status": "ok",
@@ -41,5 +42,6 @@ async def health_detailed(request: Request) -> dict[str, Any]:
             "weights_revision": engine.info.weights_revision,
             "context_length": engine.info.context_length,
         },
-        "lease": None,
+        "loading": st.ctx.loading,
+        "lease": lease.as_json() if lease else None,
     }

@@ -130,7 +130,9 @@ async def finish(
     values = await _write_files(conn, batch, unrun_code, file_expiry_seconds)
     values["total"] = max(batch.total, values["completed"] + values["failed"])
     values.update(extra or {})
-    moved = await store_batches.transition(conn, batch.id, allowed, to, now(), waiting_reason=None, **values)
+    moved = await store_batches.transition(
+        conn, batch.id, allowed, to, now(), waiting_reason=None, lease_holder=None, **values
+    )
     if not moved:
         raise _StatusMoved(batch.id)
     return True

@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from ..errors import APIError, ServerError
 from ..ids import now, now_ms
@@ -25,9 +25,11 @@ from ..settings import Settings
 from ..store import Store
 from ..store import batches as store_batches
 from ..store import files as store_files
+from ..store import models as store_models
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord
 from . import output, states
+from .readiness import Readiness, foreign_lease_holder, readiness, release_own_lease
 from .validate import MAX_LISTED_ERRORS, BatchFailure, check_line, error_line, physical_lines
 
 log = logging.getLogger("miserver.batches")
@@ -52,7 +54,7 @@ class BatchRunner:
         self.settings = settings
         self.worker_id = worker_id or f"worker-{secrets.token_hex(4)}"
         self.on_change = on_change or (lambda _id: None)
-        self.claim_ttl_ms = max(60_000, int(settings.batch_chunk_seconds * 4000))
+        self.claim_ttl_ms = int(settings.batch_claim_ttl_seconds * 1000)
         self._wake = asyncio.Event()
         self._stopping = False
         self._validations: dict[str, asyncio.Task[None]] = {}
@@ -111,8 +113,20 @@ class BatchRunner:
         if batch.status == "in_progress":
             if now() >= batch.expires_at:
                 return await self._finish(batch, "expired", "batch_expired")
-            return await self._run_chunk(batch)
+            async with self.store.tx() as conn:
+                torn = await store_models.weights_torn(conn, batch.model or "")
+            ready = readiness(self.ctx, batch, weights_torn=torn, lease_ttl_seconds=self.settings.batch_lease_ttl_seconds)
+            if ready.waiting_reason is not None:
+                await self._set_waiting(batch, ready.waiting_reason, None)
+                return False
+            return await self._run_chunk(batch, ready)
         return False
+
+    async def _set_waiting(self, batch: BatchRecord, reason: str | None, holder: str | None) -> None:
+        if (batch.waiting_reason, batch.lease_holder) != (reason, holder):
+            async with self.store.tx() as conn:
+                await store_batches.set_fields(conn, batch.id, waiting_reason=reason, lease_holder=holder)
+            self.on_change(batch.id)
 
     # -- validation -------------------------------------------------------------------------------------------
 
@@ -142,6 +156,10 @@ class BatchRunner:
 
     async def _validate_inner(self, batch: BatchRecord) -> None:
         async with self.store.tx() as conn:
+            if not await store_batches.claim_batch(
+                conn, batch.id, worker=self.worker_id, now_ms=now_ms(), ttl_ms=self.claim_ttl_ms
+            ):
+                return  # another process validates it
             await store_rows.delete_rows(conn, batch.id)  # a validation cut short by a crash starts over
             record = await store_files.get_file(conn, batch.input_file_id)
         if record is None:
@@ -171,12 +189,18 @@ class BatchRunner:
                 await self._insert(batch.id, page)
                 page = []
             if total % 2000 == 0:
-                await asyncio.sleep(0)  # validation is its own task; let requests through
+                async with self.store.tx() as conn:  # heartbeat, and let requests through
+                    await store_batches.claim_batch(
+                        conn, batch.id, worker=self.worker_id, now_ms=now_ms(), ttl_ms=self.claim_ttl_ms
+                    )
         await self._insert(batch.id, page)
         if total == 0:
             raise BatchFailure("empty_file", "The input file has no request lines.", "input_file_id")
+        foreign = foreign_lease_holder(self.ctx, batch)
         async with self.store.tx() as conn:
             await store_batches.set_fields(conn, batch.id, total=total, failed=invalid)
+            if invalid < total and len(models) == 1 and foreign is not None:
+                raise BatchFailure("lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model")
             if invalid == total or len(models) > 1:
                 failure = (
                     BatchFailure("no_valid_lines", "No line of the input file is a valid request.")
@@ -218,7 +242,7 @@ class BatchRunner:
 
     # -- running ----------------------------------------------------------------------------------------------
 
-    async def _run_chunk(self, batch: BatchRecord) -> bool:
+    async def _run_chunk(self, batch: BatchRecord, ready: Readiness) -> bool:
         token = secrets.token_hex(16)
         async with self.store.tx() as conn:
             claimed = await store_rows.claim(
@@ -239,15 +263,13 @@ class BatchRunner:
                 return False  # another worker holds the remaining rows
         service = SERVICES[batch.endpoint]
         try:
-            async with self.ctx.gate.hold(Priority.BATCH) as slot:
-                if batch.waiting_reason is not None:
-                    async with self.store.tx() as conn:
-                        await store_batches.set_fields(conn, batch.id, waiting_reason=None)
+            async with self.ctx.gate.hold(Priority.BATCH) as slot, self._heartbeat(batch.id, token):
+                await self._set_waiting(batch, None, ready.holder)
                 started = time.monotonic()
                 for row in claimed:
                     if self._stopping or time.monotonic() - started > self.settings.batch_chunk_seconds:
                         break
-                    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=batch.lease_holder)
+                    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=ready.lease)
                     ok, line, usage = await self._execute(service, row, call)
                     async with self.store.tx() as conn:
                         recorded = await store_rows.record(
@@ -260,10 +282,6 @@ class BatchRunner:
                             input_tokens=usage[0],
                             output_tokens=usage[1],
                         )
-                        if recorded:
-                            await store_rows.extend_claim(
-                                conn, batch_id=batch.id, token=token, until_ms=now_ms() + self.claim_ttl_ms
-                            )
                     if not recorded:
                         log.warning("batch %s line %d: claim lost, result dropped", batch.id, row.line)
                         break
@@ -272,6 +290,26 @@ class BatchRunner:
             async with self.store.tx() as conn:
                 await store_rows.release_claim(conn, batch_id=batch.id, token=token)
         return True
+
+    @contextlib.asynccontextmanager
+    async def _heartbeat(self, batch_id: str, token: str) -> AsyncIterator[None]:
+        """Extend the chunk's claim every third of its TTL while the chunk runs (even within a long row)."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(self.claim_ttl_ms / 3000)
+                async with self.store.tx() as conn:
+                    await store_rows.extend_claim(
+                        conn, batch_id=batch_id, token=token, until_ms=now_ms() + self.claim_ttl_ms
+                    )
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _execute(
         self, service: EndpointService, row: store_rows.ClaimedRow, call: Call
@@ -302,6 +340,7 @@ class BatchRunner:
                 )
         except output.StatusMoved:
             return True  # e.g. cancelled while finalizing: the next pass finishes it as cancelled
+        release_own_lease(self.ctx, batch.id)
         self.on_change(batch.id)
         return True
 

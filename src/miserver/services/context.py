@@ -13,6 +13,7 @@ from typing import Any
 
 from ..engines.base import Engine
 from ..errors import EngineUnavailableError, ModelNotFoundError
+from ..leases import LeaseManager
 from ..scheduler import AdmissionGate, Priority, Slot
 
 
@@ -47,11 +48,14 @@ class Call:
 
 @dataclass
 class ServiceContext:
-    """The resident engine (None while no model is resident), its gate, and the server's seed source."""
+    """The resident engine (None while no model is resident or one is loading), its gate, its lease, and the
+    server's seed source."""
 
     engine: Engine | None
     gate: AdmissionGate
     rng: random.Random = field(default_factory=random.Random)
+    leases: LeaseManager = field(default_factory=LeaseManager)
+    loading: bool = False
 
     def require_engine(self) -> Engine:
         """The resident engine; 503 ``engine_unavailable`` when none is loaded."""
@@ -69,6 +73,8 @@ class ServiceContext:
         Raises :class:`ModelNotFoundError` (404 ``model_not_found``); when ``name`` is a prefix of a served id up to
         a ``:`` tag (a quantization repository named without its tag), the message names the exact id to send.
         """
+        if self.loading:
+            raise EngineUnavailableError("A model is being loaded; retry in a moment.")
         served = self.served_models()
         if name in served and self.engine is not None:
             return self.engine

@@ -20,18 +20,27 @@ class Store:
     ``Store.open(url)`` applies migrations (Alembic, idempotent) and connects.
     """
 
-    def __init__(self, url: str, engine: AsyncEngine) -> None:
+    def __init__(self, url: str, engine: AsyncEngine, lock: db.ProcessLock | None = None) -> None:
         self.url = url
         self.engine = engine
         self.is_sqlite = db.is_sqlite(url)
+        self._lock = lock
 
     @classmethod
-    async def open(cls, url: str, *, migrate: bool = True) -> Store:
-        if migrate:
-            import asyncio
+    async def open(cls, url: str, *, migrate: bool = True, lock: bool = False) -> Store:
+        """Open ``url``. With ``lock``, a SQLite database is locked to this process
+        (:class:`~miserver.store.db.DatabaseInUseError` if another process holds it)."""
+        import asyncio
 
-            await asyncio.to_thread(db.upgrade, url)
-        return cls(url, db.create_engine(url))
+        process_lock = db.ProcessLock.acquire(url) if lock and db.is_sqlite(url) else None
+        try:
+            if migrate:
+                await asyncio.to_thread(db.upgrade, url)
+            return cls(url, db.create_engine(url), process_lock)
+        except BaseException:
+            if process_lock is not None:
+                process_lock.release()
+            raise
 
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[AsyncConnection]:
@@ -46,3 +55,6 @@ class Store:
 
     async def close(self) -> None:
         await self.engine.dispose()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

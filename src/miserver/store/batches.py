@@ -144,3 +144,19 @@ async def set_fields(conn: AsyncConnection, batch_id: str, **values: Any) -> Non
         errors = values.pop("errors")
         values["errors_json"] = json.dumps(errors) if errors is not None else None
     await conn.execute(update(batches).where(batches.c.id == batch_id).values(**values))
+
+
+async def claim_batch(conn: AsyncConnection, batch_id: str, *, worker: str, now_ms: int, ttl_ms: int) -> bool:
+    """Claim a batch for work that one process must do alone (validation). True when ``worker`` holds it now.
+
+    The claim is free, already ``worker``'s, or past its deadline (its process died); it lasts ``ttl_ms``.
+    """
+    stmt = (
+        update(batches)
+        .where(
+            batches.c.id == batch_id,
+            (batches.c.claimed_by.is_(None)) | (batches.c.claimed_by == worker) | (batches.c.claimed_until < now_ms),
+        )
+        .values(claimed_by=worker, claimed_until=now_ms + ttl_ms)
+    )
+    return (await conn.execute(stmt)).rowcount == 1

@@ -7,6 +7,8 @@ with the synchronous driver of the same database.
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 from alembic import command
@@ -76,3 +78,42 @@ def upgrade(url: str, revision: str = "head") -> None:
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     command.upgrade(alembic_config(url), revision)
+
+
+class DatabaseInUseError(RuntimeError):
+    """Another process serves this SQLite database (SQLite serves one process; use PostgreSQL for more)."""
+
+
+class ProcessLock:
+    """An exclusive ``flock`` on ``<database>.lock``, held while the process uses the SQLite database.
+
+    The kernel drops it when the process ends, even by ``kill -9``, so a crash never leaves a stale lock.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @classmethod
+    def acquire(cls, url: str) -> ProcessLock:
+        database = make_url(url).database or ""
+        path = Path(database + ".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise DatabaseInUseError(
+                f"The SQLite database {database} is in use by another miserver process (pid {holder}). SQLite serves "
+                "one process: stop the other one, or use PostgreSQL (MISERVER_DATABASE_URL=postgresql+psycopg://...) "
+                "to run a server and workers together."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)

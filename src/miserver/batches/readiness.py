@@ -1,0 +1,67 @@
+"""Whether a batch may run its next chunk now, and if not why (``millm.waiting_reason``, DESIGN §4).
+
+A batch never loads, unloads or swaps a model: it waits. It runs only when its model is the resident one, the
+resident weights are whole, and it holds the model lease: its own (holder ``millm-batch:<id>``, taken and renewed
+here) or the live lease its caller handed it (renewed here, never released).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..leases import BATCH_HOLDER_PREFIX, LeaseManager
+from ..services.context import ServiceContext
+from ..store.batches import BatchRecord
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """``waiting_reason`` is None when the batch may run; ``holder`` names the lease it runs under."""
+
+    waiting_reason: str | None
+    holder: str | None = None
+    lease: str | None = None
+
+
+def own_holder(batch_id: str) -> str:
+    return BATCH_HOLDER_PREFIX + batch_id
+
+
+def readiness(ctx: ServiceContext, batch: BatchRecord, *, weights_torn: bool, lease_ttl_seconds: float) -> Readiness:
+    """Decide, and take or renew the lease when the batch may run.
+
+    Waiting reasons: ``model_not_resident`` (no engine, or another model is resident), ``weights_torn``,
+    ``queued`` (another batch holds the lease: its turn comes after), ``lease_unavailable`` (another holder).
+    """
+    engine = ctx.engine
+    if engine is None or engine.info.model_id != batch.model:
+        return Readiness("model_not_resident")
+    if weights_torn:
+        return Readiness("weights_torn")
+    leases: LeaseManager = ctx.leases
+    live = leases.current()
+    if live is not None and batch.caller_lease is not None and live.lease == batch.caller_lease:
+        renewed = leases.renew(live.lease)
+        return Readiness(None, renewed.holder, renewed.lease)
+    own = own_holder(batch.id)
+    if live is None or live.holder == own:
+        lease = leases.acquire(own, lease_ttl_seconds)
+        return Readiness(None, lease.holder, lease.lease)
+    if live.holder.startswith(BATCH_HOLDER_PREFIX):
+        return Readiness("queued")
+    return Readiness("lease_unavailable")
+
+
+def release_own_lease(ctx: ServiceContext, batch_id: str) -> None:
+    """Release the batch's own lease if it holds it (a caller's lease is never released by the batch)."""
+    live = ctx.leases.current()
+    if live is not None and live.holder == own_holder(batch_id):
+        ctx.leases.release(live.lease)
+
+
+def foreign_lease_holder(ctx: ServiceContext, batch: BatchRecord) -> str | None:
+    """The holder of a live lease that is neither a batch's nor the one this batch's caller handed it."""
+    live = ctx.leases.current()
+    if live is None or live.holder.startswith(BATCH_HOLDER_PREFIX) or live.lease == batch.caller_lease:
+        return None
+    return live.holder

@@ -1,0 +1,100 @@
+"""Leases on the resident model (DESIGN §3.5): one holder at a time, with a time to live.
+
+A lease is held in the memory of the process that owns the engine, so a restart ends every lease, as the contract
+asks. Load, unload, weight writes and checkpoint operations need the lease when one is held; a running batch holds
+one (holder ``millm-batch:<id>``) or runs under the lease its caller handed it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import ConflictError, InvalidRequestError, NotFoundError
+
+BATCH_HOLDER_PREFIX = "millm-batch:"
+MIN_TTL_SECONDS = 1
+MAX_TTL_SECONDS = 86_400
+
+
+@dataclass(frozen=True)
+class Lease:
+    """``lease`` is the token a holder sends back (``X-miLLM-Lease``); ``expires_at`` is Unix seconds (float)."""
+
+    lease: str
+    holder: str
+    ttl_seconds: float
+    expires_at: float
+
+    def as_json(self) -> dict[str, object]:
+        return {"lease": self.lease, "holder": self.holder, "ttl_seconds": self.ttl_seconds, "expires_at": int(self.expires_at)}
+
+
+def check_ttl(ttl: float) -> float:
+    if not MIN_TTL_SECONDS <= ttl <= MAX_TTL_SECONDS:
+        raise InvalidRequestError(
+            f"Invalid 'ttl_seconds': {ttl}. Use {MIN_TTL_SECONDS}-{MAX_TTL_SECONDS} seconds.", param="ttl_seconds"
+        )
+    return ttl
+
+
+class LeaseManager:
+    """The lease of the resident model of this process. ``clock`` returns Unix seconds (injectable in tests)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lease: Lease | None = None
+
+    def current(self) -> Lease | None:
+        """The live lease, or None (an expired lease is dropped)."""
+        if self._lease is not None and self._lease.expires_at <= self._clock():
+            self._lease = None
+        return self._lease
+
+    def acquire(self, holder: str, ttl_seconds: float) -> Lease:
+        """Take the lease for ``holder``. The same holder taking it again renews it.
+
+        Raises :class:`ConflictError` (409 ``lease_held``) while another holder's lease is live.
+        """
+        if not holder:
+            raise InvalidRequestError("Invalid 'holder': a non-empty string is required.", param="holder")
+        ttl = check_ttl(ttl_seconds)
+        live = self.current()
+        if live is not None and live.holder != holder:
+            raise ConflictError(
+                f"The model is leased by '{live.holder}' until {int(live.expires_at)}.", param="holder", code="lease_held"
+            )
+        token = live.lease if live is not None else "lease_" + secrets.token_hex(12)
+        self._lease = Lease(token, holder, ttl, self._clock() + ttl)
+        return self._lease
+
+    def get(self, lease: str) -> Lease:
+        """The live lease named ``lease``; 404 ``lease_not_found`` if it is not the live one."""
+        live = self.current()
+        if live is None or live.lease != lease:
+            raise NotFoundError(f"No live lease {lease!r}.", param="lease", code="lease_not_found")
+        return live
+
+    def renew(self, lease: str, ttl_seconds: float | None = None) -> Lease:
+        """Push the live lease's expiry ``ttl_seconds`` (default: its own TTL) from now."""
+        live = self.get(lease)
+        ttl = check_ttl(ttl_seconds) if ttl_seconds is not None else live.ttl_seconds
+        self._lease = Lease(live.lease, live.holder, ttl, self._clock() + ttl)
+        return self._lease
+
+    def release(self, lease: str) -> None:
+        """End the live lease ``lease`` (404 if it is not the live one)."""
+        self.get(lease)
+        self._lease = None
+
+    def require(self, lease: str | None) -> None:
+        """For load, unload and weight operations: when a lease is held, the caller must present it (409 otherwise)."""
+        live = self.current()
+        if live is not None and live.lease != lease:
+            raise ConflictError(
+                f"The model is leased by '{live.holder}'; send its lease in X-miLLM-Lease.",
+                param="X-miLLM-Lease",
+                code="lease_held",
+            )
