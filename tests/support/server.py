@@ -143,3 +143,44 @@ def tiny_server_process(
         env={"MISERVER_EXECUTION_LOG": str(root / "executions.log"), **(env or {})},
         port=port,
     )
+
+
+class WorkerProcess:
+    """Spawns ``python -m miserver.cli worker``; ``start()`` returns once it logged that it is ready."""
+
+    def __init__(self, *, model: str, database_url: str, data_dir: Path, served_model_name: str | None = None,
+                 env: dict[str, str] | None = None, name: str = "worker") -> None:  # fmt: skip
+        self.model = model
+        self.database_url = database_url
+        self.data_dir = data_dir
+        self.served_model_name = served_model_name
+        self.extra_env = env or {}
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir / f"{name}.log"
+
+    def start(self, timeout: float = 120.0) -> WorkerProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "miserver.cli", "worker", "--database-url", self.database_url,
+               "--data-dir", str(self.data_dir), "--model", self.model, "--worker-id", self.name]  # fmt: skip
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env})
+        wait_for(lambda: self.proc.poll() is not None or f"worker {self.name} ready" in self.log(), timeout=timeout)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:] if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
