@@ -62,7 +62,11 @@ class ProgressEvents:
             return {"ok": False, "error": f"no batch {batch_id}"}
         await self.sio.enter_room(sid, room(batch_id))
         payload = self.payload(batch)
-        await self.sio.emit(EVENT, payload, to=sid)
+        if self._last.get(batch_id) == payload:
+            await self.sio.emit(EVENT, payload, to=sid)  # the room has seen it; only the newcomer needs it
+        else:
+            self._last[batch_id] = payload
+            await self.sio.emit(EVENT, payload, room=room(batch_id))
         return {"ok": True}
 
     async def _unsubscribe(self, sid: str, data: Any) -> None:
@@ -105,8 +109,10 @@ class ProgressEvents:
                 await asyncio.wait_for(self._wake.wait(), self.poll_seconds)
             self._wake.clear()
             watched = self._watched()
-            due = (self._pending & watched) | watched
+            due = watched  # notified batches nobody watches need no event
             self._pending.clear()
+            for batch_id in set(self._last) - watched:
+                del self._last[batch_id]
             for batch_id in sorted(due):
                 try:
                     await self._publish(batch_id)
