@@ -89,6 +89,12 @@ class Settings(BaseSettings):
     batch_poll_seconds: float = Field(
         1.0, validation_alias=_env("BATCH_POLL_SECONDS"), gt=0, description="runner's idle poll interval"
     )
+    file_prune_interval_seconds: float = Field(
+        600.0,
+        validation_alias=_env("FILE_PRUNE_INTERVAL_SECONDS"),
+        gt=0,
+        description="how often the runner deletes the bytes of expired files",
+    )
     file_default_expiry_seconds: int = Field(2_592_000, validation_alias=_env("FILE_DEFAULT_EXPIRY_SECONDS"))
 
     def resolved_database_url(self) -> str:

@@ -58,6 +58,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._stopping = False
         self._validations: dict[str, asyncio.Task[None]] = {}
+        self._next_prune = 0.0
 
     def wake(self) -> None:
         """Ask the loop to look at the batches now (a batch was created or cancelled)."""
@@ -84,8 +85,22 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*self._validations.values(), return_exceptions=True)
 
+    async def prune(self) -> list[str]:
+        """Delete the bytes of expired files no running batch needs (DESIGN §6); returns the file ids."""
+        async with self.store.tx() as conn:
+            pruned = await store_files.prune_expired_content(conn, now())
+        if pruned:
+            log.info("pruned the content of %d expired files", len(pruned))
+        return pruned
+
     async def step(self) -> bool:
         """One pass over the active batches; True when it ran or finished something."""
+        if time.monotonic() >= self._next_prune:
+            self._next_prune = time.monotonic() + self.settings.file_prune_interval_seconds
+            try:
+                await self.prune()
+            except Exception:
+                log.exception("pruning expired files failed")
         async with self.store.tx() as conn:
             active = await store_batches.active_batches(conn)
         busy = False

@@ -163,3 +163,22 @@ async def iter_content(engine: AsyncEngine, file_id: str) -> AsyncIterator[bytes
             return
         yield bytes(data)
         seq += 1
+
+
+async def prune_expired_content(conn: AsyncConnection, now: int) -> list[str]:
+    """Delete the bytes of every expired file that no non-terminal batch reads; keep the records.
+
+    Returns the ids pruned. A pruned file's record gets ``content_deleted_at`` (its content answers 404
+    ``file_expired``); an input file of a batch that has not finished is never pruned, even past its expiry.
+    """
+    in_use = select(batches.c.input_file_id).where(batches.c.status.not_in(TERMINAL_STATUSES))
+    due = (
+        select(files.c.id)
+        .where(files.c.expires_at <= now, files.c.content_deleted_at.is_(None), files.c.id.not_in(in_use))
+        .order_by(files.c.id)
+    )
+    ids = list((await conn.execute(due)).scalars())
+    for file_id in ids:
+        await conn.execute(delete(file_chunks).where(file_chunks.c.file_id == file_id))
+        await conn.execute(update(files).where(files.c.id == file_id).values(content_deleted_at=now))
+    return ids
