@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -70,6 +71,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             await runtime.close()
 
     app = FastAPI(title="miServer", version="0.1.0", lifespan=lifespan)
+    # gzip for clients that ask (Accept-Encoding); Server-Sent Events are never compressed
+    app.add_middleware(GZipMiddleware, minimum_size=1024)
 
     @app.middleware("http")
     async def request_id(request: Request, call_next: Callable[[Request], Any]) -> Response:

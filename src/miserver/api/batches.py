@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -22,9 +23,11 @@ from ..protocol.batches import (
 )
 from ..protocol.common import parse_request
 from ..store import batches as store_batches
+from ..store import idempotency
 from ..store import files as store_files
 from ..store.batches import BatchRecord
 from .common import json_body, state, strict_mode
+from .idempotency import idempotency_key, key_in_flight, replay
 
 router = APIRouter()
 
@@ -96,6 +99,14 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> dict[str, Any]:
     st = state(request)
+    key = idempotency_key(request)
+    raw = await request.body()
+    body_sha256 = hashlib.sha256(raw + b"\0" + request.headers.get("x-millm-lease", "").encode()).hexdigest()
+    if key is not None:
+        async with st.store.tx() as conn:
+            first = replay(await idempotency.lookup(conn, "batches", key), body_sha256)
+        if first is not None:
+            return first
     req = parse_request(BatchCreateRequest, await json_body(request), strict=strict_mode(request))
     if req.endpoint not in BATCH_ENDPOINTS:
         hint = " It is not supported yet." if req.endpoint in PLANNED_ENDPOINTS else ""
@@ -129,8 +140,14 @@ async def create_batch(request: Request) -> dict[str, Any]:
             output_expires_seconds=req.output_expires_after.seconds if req.output_expires_after else None,
             caller_lease=request.headers.get("x-millm-lease"),
         )
+        answer = batch_object(batch)
+        if key is not None:
+            try:
+                await idempotency.remember(conn, "batches", key, body_sha256, 200, answer, created)
+            except idempotency.KeyTaken:
+                raise key_in_flight(key) from None
     st.runner.wake()
-    return batch_object(batch)
+    return answer
 
 
 @router.get("/v1/batches")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,8 +13,10 @@ from ..errors import ConflictError, FileExpiredError, InvalidRequestError, Missi
 from ..ids import now, ordered_id
 from ..protocol.files import FileDeleted, FileObject
 from ..store import files as store_files
+from ..store import idempotency
 from ..store.files import FileRecord
 from .common import state
+from .idempotency import idempotency_key, key_in_flight, replay
 from .upload import receive_upload
 
 router = APIRouter()
@@ -71,6 +75,15 @@ async def upload_file(request: Request) -> dict[str, Any]:
         max_rows=s.batch_max_rows,
     )
     try:
+        key = idempotency_key(request)
+        body_sha256 = hashlib.sha256(
+            json.dumps([upload.sha256.hexdigest(), upload.filename, sorted(upload.fields.items())]).encode()
+        ).hexdigest()
+        if key is not None:
+            async with st.store.tx() as conn:
+                first = replay(await idempotency.lookup(conn, "files", key), body_sha256)
+            if first is not None:
+                return first
         purpose = upload.fields.get("purpose")
         if purpose is None:
             raise MissingParameterError("Missing required parameter: 'purpose'.", param="purpose")
@@ -99,9 +112,15 @@ async def upload_file(request: Request) -> dict[str, Any]:
                 expires_at=expires_at,
                 chunks=chunks(),
             )
+            answer = file_object(record)
+            if key is not None:
+                try:
+                    await idempotency.remember(conn, "files", key, body_sha256, 200, answer, created)
+                except idempotency.KeyTaken:
+                    raise key_in_flight(key) from None
     finally:
         upload.discard()
-    return file_object(record)
+    return answer
 
 
 @router.get("/v1/files")

@@ -7,11 +7,13 @@ that the 413 can name the measured value; nothing is stored then.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -61,6 +63,7 @@ class Upload:
 
     fields: dict[str, str] = field(default_factory=dict)
     filename: str | None = None
+    sha256: Any = field(default_factory=hashlib.sha256)
     path: Path | None = None
     counter: LineCounter = field(default_factory=LineCounter)
 
@@ -120,6 +123,7 @@ async def receive_upload(
             upload.discard()
             upload.path = Path(path)
             upload.counter = LineCounter()
+            upload.sha256 = hashlib.sha256()
             upload.filename = disp.get(b"filename", b"upload.jsonl").decode("utf-8", "replace") or "upload.jsonl"
             state["sink"] = os.fdopen(fd, "wb")
 
@@ -128,6 +132,7 @@ async def receive_upload(
         sink = state["sink"]
         if sink is not None:
             upload.counter.feed(piece)
+            upload.sha256.update(piece)
             if upload.counter.bytes <= max_file_bytes:
                 sink.write(piece)  # type: ignore[attr-defined]
         else:

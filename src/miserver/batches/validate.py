@@ -23,6 +23,9 @@ from ..services.context import ServiceContext
 from ..services.registry import SERVICES
 
 LINE_KEYS = ("custom_id", "method", "url", "body")
+#: Longest custom_id accepted (the Anthropic Message Batches limit; OpenAI documents none).
+MAX_CUSTOM_ID_CHARS = 64
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 #: ``batch.errors.data`` lists at most this many line errors; the error file has every one.
 MAX_LISTED_ERRORS = 1000
 
@@ -52,12 +55,22 @@ class ValidationSummary:
 
 
 async def physical_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, bytes]]:
-    """Yield ``(line_number, raw_line)`` with a leading UTF-8 BOM stripped and ``\\r\\n`` accepted."""
+    """Yield ``(line_number, raw_line)`` with a leading UTF-8 BOM stripped and ``\\r\\n`` accepted.
+
+    Raises :class:`BatchFailure` (``invalid_encoding``) for a UTF-16 file (a UTF-16 byte-order mark, or NUL bytes
+    in the first line), which a line-by-line reading would otherwise report as garbage on every line.
+    """
     buf = b""
     number = 0
     first = True
     async for chunk in chunks:
         if first:
+            if chunk.startswith(UTF16_BOMS) or b"\x00" in chunk.split(b"\n", 1)[0]:
+                raise BatchFailure(
+                    "invalid_encoding",
+                    "The input file looks like UTF-16; batch files must be UTF-8 JSON Lines (save it as UTF-8).",
+                    "input_file_id",
+                )
             if chunk.startswith(b"\xef\xbb\xbf"):
                 chunk = chunk[3:]
             first = False
@@ -108,6 +121,10 @@ def check_line(
             return custom_id, None, None, MissingParameterError(f"Missing required parameter: '{key}'.", param=key)
     if not isinstance(cid, str) or not cid:
         return None, None, None, InvalidRequestError("'custom_id' must be a non-empty string.", param="custom_id")
+    if len(cid) > MAX_CUSTOM_ID_CHARS:
+        return None, None, None, InvalidRequestError(
+            f"'custom_id' is {len(cid)} characters; at most {MAX_CUSTOM_ID_CHARS} are allowed.", param="custom_id"
+        )
     if cid in seen:
         return cid, None, None, InvalidRequestError(
             f"The custom_id '{cid}' appears more than once in the file.", param="custom_id", code="duplicate_custom_id"
@@ -119,8 +136,9 @@ def check_line(
     if obj["method"] != "POST":
         return cid, None, None, InvalidRequestError("'method' must be \"POST\".", param="method")
     if obj["url"] != endpoint:
+        hint = f" Write it as {endpoint!r}." if isinstance(obj["url"], str) and "/v1" + obj["url"] == endpoint else ""
         return cid, None, None, InvalidRequestError(
-            f"The line's url {obj['url']!r} does not match the batch's endpoint {endpoint!r}.",
+            f"The line's url {obj['url']!r} does not match the batch's endpoint {endpoint!r}.{hint}",
             param="url",
             code="invalid_url",
         )

@@ -21,7 +21,7 @@ from ..protocol.chat import (
     ChunkDelta,
 )
 from ..protocol.common import ChatTokenLogprob, TopLogprob, Usage, parse_request
-from .common import check_context, check_stop, refuse_unsupported
+from .common import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
 
 UNSUPPORTED_FIELDS = (
@@ -50,6 +50,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompleti
     req = parse_request(ChatCompletionRequest, body, strict=strict)
     refuse_unsupported({name: getattr(req, name) for name in UNSUPPORTED_FIELDS})
     check_stop(req.stop)
+    check_stream_options(req.stream, req.stream_options)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     engine = ctx.resolve_model(req.model)

@@ -34,6 +34,14 @@ def refuse_unsupported(fields: dict[str, Any]) -> None:
         )
 
 
+def check_stream_options(stream: bool | None, stream_options: object | None) -> None:
+    """OpenAI refuses ``stream_options`` unless ``stream`` is true."""
+    if stream_options is not None and stream is not True:
+        raise InvalidRequestError(
+            "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
+        )
+
+
 def check_stop(stop: str | list[str] | None) -> None:
     """OpenAI allows a string or at most 4 strings."""
     if isinstance(stop, list) and len(stop) > 4:

@@ -12,7 +12,7 @@ from ..errors import InvalidRequestError, UnsupportedParameterError
 from ..ids import now, random_id
 from ..protocol.common import Usage, parse_request
 from ..protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from .common import check_context, check_stop, refuse_unsupported
+from .common import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
 
 UNSUPPORTED_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of")
@@ -29,6 +29,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRe
     if req.suffix:
         raise UnsupportedParameterError("Unsupported parameter: 'suffix' is not supported.", param="suffix")
     check_stop(req.stop)
+    check_stream_options(req.stream, req.stream_options)
     if req.echo and req.logprobs is not None:
         raise UnsupportedParameterError(
             "Unsupported parameter: 'echo' with 'logprobs' (prompt logprobs) is not supported yet.", param="echo"
