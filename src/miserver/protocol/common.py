@@ -60,7 +60,8 @@ def unknown_fields(model: BaseModel, prefix: tuple[int | str, ...] = ()) -> list
     found: list[str] = []
     for key in model.model_extra or {}:
         found.append(param_path((*prefix, key)))
-    for name in type(model).model_fields:
+    carried = model.model_fields_set  # only what the request carried: defaults hold no unknown fields
+    for name in (n for n in type(model).model_fields if n in carried):
         value = getattr(model, name)
         if isinstance(value, BaseModel):
             found.extend(unknown_fields(value, (*prefix, name)))
