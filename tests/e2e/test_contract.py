@@ -31,14 +31,14 @@ REFUSED: list[dict[str, Any]] = [
 ]
 
 
-def test_batch_refuses_exactly_like_the_synchronous_route(tiny_server: ServerProcess) -> None:
-    http = tiny_server.http()
+def test_batch_refuses_exactly_like_the_synchronous_route(module_server: ServerProcess) -> None:
+    http = module_server.http()
     sync = []
     for body in REFUSED:
         r = http.post("/v1/chat/completions", json=body, headers={"X-miLLM-Strict": "true"})
         assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
         sync.append((r.status_code, r.json()["error"]))
-    client = tiny_server.client()
+    client = module_server.client()
     lines = [line(f"bad-{i}", body) for i, body in enumerate(REFUSED)] + [line("good", chat_body("hi"))]
     done = wait_terminal(client, submit(client, jsonl(lines)).id)
     assert done.status == "completed" and done.request_counts is not None
@@ -54,8 +54,8 @@ def test_batch_refuses_exactly_like_the_synchronous_route(tiny_server: ServerPro
     ]
 
 
-def test_encodings_blank_lines_and_line_numbers(tiny_server: ServerProcess) -> None:
-    client = tiny_server.client()
+def test_encodings_blank_lines_and_line_numbers(module_server: ServerProcess) -> None:
+    client = module_server.client()
     ok = json.dumps(line("a", chat_body("h\u00e9llo \u2603"))).encode()
     data = (
         b"\xef\xbb\xbf" + ok + b"\r\n"  # BOM and CRLF
@@ -89,28 +89,30 @@ def test_encodings_blank_lines_and_line_numbers(tiny_server: ServerProcess) -> N
         ('{"custom_id": "a"}\n'.encode("utf-16"), "invalid_encoding"),
     ],
 )
-def test_files_that_fail_the_whole_batch(tiny_server: ServerProcess, data: bytes, code: str) -> None:
-    client = tiny_server.client()
+def test_files_that_fail_the_whole_batch(module_server: ServerProcess, data: bytes, code: str) -> None:
+    client = module_server.client()
     done = wait_terminal(client, submit(client, data).id)
     assert done.status == "failed" and done.failed_at is not None
     assert done.errors is not None and done.errors.data is not None
     assert [e.code for e in done.errors.data] == [code]
 
 
-def test_idempotency_keys(tiny_server: ServerProcess) -> None:
-    http = tiny_server.http()
+def test_idempotency_keys(module_server: ServerProcess) -> None:
+    http = module_server.http()
     data = jsonl([line("a", chat_body("hi"))])
 
     def upload(content: bytes, key: str) -> httpx.Response:
         return http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", content)},
                          headers={"Idempotency-Key": key})  # fmt: skip
 
+    files_before = len(http.get("/v1/files").json()["data"])
+    batches_before = len(http.get("/v1/batches", params={"limit": 100}).json()["data"])
     first = upload(data, "up-1")
     assert first.status_code == 200
     assert upload(data, "up-1").json() == first.json()
     reused = upload(data + data, "up-1")
     assert reused.status_code == 409 and reused.json()["error"]["code"] == "idempotency_key_reused"
-    assert len(http.get("/v1/files").json()["data"]) == 1
+    assert len(http.get("/v1/files").json()["data"]) == files_before + 1
 
     body = {"input_file_id": first.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     b1 = http.post("/v1/batches", json=body, headers={"Idempotency-Key": "b-1"})
@@ -118,15 +120,16 @@ def test_idempotency_keys(tiny_server: ServerProcess) -> None:
     assert b1.status_code == b2.status_code == 200 and b1.json()["id"] == b2.json()["id"]
     other = http.post("/v1/batches", json={**body, "completion_window": "48h"}, headers={"Idempotency-Key": "b-1"})
     assert other.status_code == 409
-    assert len(http.get("/v1/batches").json()["data"]) == 1
+    assert wait_terminal(module_server.client(), b1.json()["id"]).status == "completed"
+    assert len(http.get("/v1/batches", params={"limit": 100}).json()["data"]) == batches_before + 1
 
 
-def test_gzip_download_and_exact_bytes(tiny_server: ServerProcess) -> None:
-    client = tiny_server.client()
+def test_gzip_download_and_exact_bytes(module_server: ServerProcess) -> None:
+    client = module_server.client()
     done = wait_terminal(client, submit(client, jsonl(line(f"r{i}", chat_body(f"\u00fcn\u00efc\u00f8de {i}")) for i in range(20))).id)
     meta = client.files.retrieve(done.output_file_id)  # type: ignore[arg-type]
     raw = httpx.get(
-        f"{tiny_server.base_url}/v1/files/{done.output_file_id}/content", headers={"Accept-Encoding": "gzip"}
+        f"{module_server.base_url}/v1/files/{done.output_file_id}/content", headers={"Accept-Encoding": "gzip"}
     )
     assert raw.headers.get("content-encoding") == "gzip"
     assert raw.headers["content-type"].startswith("application/jsonl")
@@ -134,13 +137,13 @@ def test_gzip_download_and_exact_bytes(tiny_server: ServerProcess) -> None:
     assert len(content) == meta.bytes
     assert content.endswith(b"\n") and b"\r" not in content
     assert all(json.loads(x) for x in content.decode("utf-8").split("\n")[:-1])
-    plain = httpx.get(f"{tiny_server.base_url}/v1/files/{done.output_file_id}/content", headers={"Accept-Encoding": "identity"})
+    plain = httpx.get(f"{module_server.base_url}/v1/files/{done.output_file_id}/content", headers={"Accept-Encoding": "identity"})
     assert "content-encoding" not in plain.headers and plain.content == content
     assert gzip.compress(content)  # sanity: the bytes are what was stored
 
 
-def test_cancel_while_validating_and_every_row_failing(tiny_server: ServerProcess) -> None:
-    client = tiny_server.client()
+def test_cancel_while_validating_and_every_row_failing(module_server: ServerProcess) -> None:
+    client = module_server.client()
     big = jsonl(line(f"r{i}", chat_body(f"row {i}", max_tokens=4)) for i in range(3000))
     batch = submit(client, big)
     cancelled = client.batches.cancel(batch.id)
@@ -157,7 +160,7 @@ def test_cancel_while_validating_and_every_row_failing(tiny_server: ServerProces
     assert done.status == "completed" and done.output_file_id is None and done.error_file_id is not None
     errors = read_lines(client, done.error_file_id)
     assert [e["response"]["body"]["error"]["code"] for e in errors] == ["context_length_exceeded"] * 3
-    refused = wait_for(lambda: _cancel_status(tiny_server, done.id))
+    refused = wait_for(lambda: _cancel_status(module_server, done.id))
     assert refused == 409
 
 
