@@ -16,11 +16,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api import batches as batches_api
+from .api import embeddings as embeddings_api
 from .api import files as files_api
 from .api import health as health_api
 from .api import inference as inference_api
 from .api import models as models_api
 from .api import leases as leases_api
+from .api import probes as probes_api
 from .api.common import AppState
 from .errors import APIError, InvalidRequestError, NotFoundError, ServerError
 from .ids import now, random_id
@@ -109,6 +111,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
     for module in (inference_api, models_api, files_api, batches_api, leases_api, health_api):
         app.include_router(module.router)
+    app.include_router(embeddings_api.router)
+    app.include_router(probes_api.router)
     app.state.events = events
     return app
 

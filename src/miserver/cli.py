@@ -105,7 +105,7 @@ def worker(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def run() -> None:
-        runtime = await start_runtime(settings, worker_id=worker_id)
+        runtime = await start_runtime(settings, worker_id=worker_id, role="worker")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runtime.runner.stop)

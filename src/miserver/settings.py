@@ -77,6 +77,20 @@ class Settings(BaseSettings):
         gt=0,
         description="a chunk stops taking rows once it has held the slot this long",
     )
+    batch_pack_window_rows: int = Field(
+        64,
+        validation_alias=_env("BATCH_PACK_WINDOW_ROWS"),
+        ge=1,
+        description="rows a pack: true batch claims per admission slot on packable endpoints (chat and text "
+        "completions, embeddings); their scoring rows and embedding inputs are grouped by length into packs",
+    )
+    batch_pack_token_budget: int = Field(
+        4096,
+        validation_alias=_env("BATCH_PACK_TOKEN_BUDGET"),
+        ge=1,
+        description="most tokens of one pack, counted as rows x longest row (padding included); a longer row "
+        "runs alone. About 4096 suits a CPU; 16384 an H200",
+    )
     batch_claim_ttl_seconds: float = Field(
         30.0,
         validation_alias=_env("BATCH_CLAIM_TTL_SECONDS"),

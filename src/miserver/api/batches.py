@@ -32,7 +32,7 @@ from .idempotency import idempotency_key, key_in_flight, replay
 router = APIRouter()
 
 #: Endpoints of DESIGN §3.2 that a later release will accept.
-PLANNED_ENDPOINTS = ("/v1/embeddings", "/api/probes/score", "/v1/responses", "/anthropic/v1/messages")
+PLANNED_ENDPOINTS = ("/v1/responses", "/anthropic/v1/messages")
 WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
 
 

@@ -28,7 +28,7 @@ from ..store import files as store_files
 from ..store import models as store_models
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord
-from . import output, states
+from . import output, packing, states
 from .readiness import Readiness, foreign_lease_holder, readiness, release_own_lease
 from .validate import MAX_LISTED_ERRORS, BatchFailure, check_line, error_line, physical_lines
 
@@ -70,9 +70,11 @@ class BatchRunner:
         self._wake.set()
 
     async def run(self) -> None:
-        if self.store.is_sqlite:
-            async with self.store.tx() as conn:
+        async with self.store.tx() as conn:
+            if self.store.is_sqlite:
                 await store_rows.release_all_claims(conn)
+            else:
+                await store_rows.release_claims_of(conn, self.worker_id)
         try:
             while not self._stopping:
                 busy = await self.step()
@@ -263,7 +265,7 @@ class BatchRunner:
             claimed = await store_rows.claim(
                 conn,
                 batch_id=batch.id,
-                limit=self.settings.batch_chunk_rows,
+                limit=packing.claim_limit(self.settings, batch),  # a packed batch claims a packing window
                 worker=self.worker_id,
                 token=token,
                 now_ms=now_ms(),
@@ -281,6 +283,15 @@ class BatchRunner:
             async with self.ctx.gate.hold(Priority.BATCH) as slot, self._heartbeat(batch.id, token):
                 await self._set_waiting(batch, None, ready.holder)
                 started = time.monotonic()
+                # -- packing (pack: true on a packable endpoint): the window runs in length-aware packs ---------
+                if packing.packs(batch):
+                    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=ready.lease)
+                    call.should_stop = lambda: self._stopping or time.monotonic() - started > self.settings.batch_chunk_seconds
+                    await packing.run_window(ctx=self.ctx, store=self.store, service=service, batch_id=batch.id,
+                                             token=token, rows=claimed, call=call, settings=self.settings,
+                                             on_change=self.on_change)  # fmt: skip
+                    claimed = []  # every row was recorded above or is released below
+                # -- end of packing --------------------------------------------------------------------------------
                 for row in claimed:
                     if self._stopping or time.monotonic() - started > self.settings.batch_chunk_seconds:
                         break

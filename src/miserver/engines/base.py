@@ -2,6 +2,11 @@
 
 A request carries token ids (the service applies the chat template and tokenises), sampling parameters already
 validated, and a seed. Results carry token ids, decoded text and per-token logprobs.
+
+Besides generation an engine answers prompt-only forward passes (DESIGN §3.4): scoring (:class:`ScoreRequest`: the
+next token of a ``max_tokens`` 0/1 request and the prompt's own token logprobs) and pooled hidden states
+(:class:`PoolRequest`: embeddings and probe features). Each comes alone (``score``, ``embed``: the synchronous
+result) or as one right-padded pack of many (``score_many``, ``embed_many``: the packing capability).
 """
 
 from __future__ import annotations
@@ -10,7 +15,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
+
 FinishReason = Literal["stop", "length"]
+Pooling = Literal["mean", "last"]
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,57 @@ class StreamDelta:
 
 
 @dataclass(frozen=True)
+class ScoreRequest:
+    """A request answered by one forward pass over its prompt (DESIGN §3.4, scoring mode).
+
+    ``generation.params.max_tokens`` must be 0 or 1. With 1, each of the ``n`` next tokens is chosen exactly as
+    :meth:`Engine.generate` chooses it (sampling, seed ``seed + i``, EOS and stop strings, logprobs) from the logits of
+    the prompt's last position. ``prompt_logprobs`` is None, or the number of top alternatives (0-20) to report at
+    each prompt position; the first position has none (nothing precedes it).
+    """
+
+    generation: GenerationRequest
+    prompt_logprobs: int | None = None
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.generation.prompt_ids
+
+
+@dataclass
+class ScoreResult:
+    """``generation`` is what :meth:`Engine.generate` would return. When prompt logprobs were asked for,
+    ``prompt_logprobs`` has one entry per prompt token (``None`` for the first) and ``prompt_tokens`` the text of
+    every prompt token (special tokens kept, as in :class:`TokenLogprob`); otherwise both are None."""
+
+    generation: GenerationResult
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_tokens: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """Hidden states of ``prompt_ids`` (``[prompt_len]``, at least one id) pooled into one vector.
+
+    ``layer`` indexes the hidden states as transformers lists them: 0 is the token embeddings, ``num_layers`` (or -1)
+    the model's final, normed output. ``pooling`` ``mean`` averages over the input's own tokens, ``last`` takes its
+    last token. ``normalize`` scales the vector to unit L2 norm (embeddings).
+    """
+
+    prompt_ids: tuple[int, ...]
+    pooling: Pooling = "mean"
+    layer: int = -1
+    normalize: bool = False
+
+
+#: A pooled vector: float32, shape ``[hidden_size]``.
+Vector = np.ndarray
+
+
+@dataclass(frozen=True)
 class EngineInfo:
-    """Provenance of the resident weights, copied into the ``X-miLLM-*`` headers."""
+    """Provenance of the resident weights, copied into the ``X-miLLM-*`` headers, and the model's shape
+    (``hidden_size`` and ``num_layers``, 0 when unknown)."""
 
     model_id: str
     backend: str
@@ -94,6 +151,8 @@ class EngineInfo:
     weights_revision: str
     context_length: int
     extra_ids: tuple[str, ...] = field(default=())
+    hidden_size: int = 0
+    num_layers: int = 0
 
 
 @runtime_checkable
@@ -125,6 +184,22 @@ class Engine(Protocol):
 
     def generate_stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
         """Yield deltas as tokens are produced; the last delta of each sequence has its finish reason."""
+        ...
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """One scoring request, alone (no padding): the synchronous result."""
+        ...
+
+    async def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """The requests as one right-padded pack, each read at its own last real token; results in request order."""
+        ...
+
+    async def embed(self, request: PoolRequest) -> Vector:
+        """One pooled vector, its input alone (no padding): the synchronous result."""
+        ...
+
+    async def embed_many(self, requests: Sequence[PoolRequest]) -> list[Vector]:
+        """The inputs as one right-padded pack (one ``layer`` for all), each pooled over its own tokens."""
         ...
 
     async def close(self) -> None:

@@ -13,7 +13,7 @@ BatchStatus = Literal[
 ]
 
 #: Endpoints a batch accepts in this release; the rest of DESIGN §3.2 are refused until they exist.
-BATCH_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
+BATCH_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/probes/score")
 
 
 class OutputExpiresAfter(RequestModel):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..engines.adapter import generation_request
-from ..engines.base import Engine, GenerationRequest, TokenLogprob
-from ..errors import InvalidRequestError
+from ..engines.base import Engine, GenerationRequest, GenerationResult, ScoreRequest, ScoreResult, TokenLogprob
+from ..errors import APIError, InvalidRequestError
 from ..ids import now, random_id
 from ..protocol.chat import (
     ChatChoice,
@@ -23,6 +25,7 @@ from ..protocol.chat import (
 from ..protocol.common import ChatTokenLogprob, TopLogprob, Usage, parse_request
 from .common import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
+from .many import Outcome, Plan, RowUnits, run_rows, run_singles
 
 UNSUPPORTED_FIELDS = (
     "frequency_penalty",
@@ -71,8 +74,24 @@ def _logprob(lp: TokenLogprob) -> ChatTokenLogprob:
     )
 
 
-async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
-    """Run a chat completion. Returns a :class:`ServiceResult`, or a :class:`StreamResult` when ``stream`` is true."""
+@dataclass
+class _Prepared:
+    """A checked, tokenised request: everything but the engine run."""
+
+    req: ChatCompletionRequest
+    engine: Engine
+    gen: GenerationRequest
+    headers: dict[str, str]
+    completion_id: str
+
+    @property
+    def scoring(self) -> bool:
+        """Scoring mode (DESIGN §3.4): one token after one forward pass over the prompt; packable in a batch."""
+        return self.gen.params.max_tokens == 1 and not self.req.stream
+
+
+def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
+    """Check, tokenise, check the context length and pick the seed (raises :class:`~miserver.errors.APIError`)."""
     req, engine = check(ctx, body, strict=call.strict)
     prompt = engine.tokenize_chat(_messages(req))
     room = engine.info.context_length - len(prompt)
@@ -89,13 +108,11 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         n=req.n,
     )
-    headers = provenance_headers(engine, seed_header, call.lease)
-    completion_id = random_id("chatcmpl-")
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamResult(_stream(ctx, engine, gen, call, completion_id, include_usage), headers)
-    async with ctx.gate.hold(call.priority, call.slot):
-        result = await engine.generate(gen)
+    return _Prepared(req, engine, gen, provenance_headers(engine, seed_header, call.lease), random_id("chatcmpl-"))
+
+
+def _build(p: _Prepared, result: GenerationResult) -> ServiceResult:
+    """The response of a finished generation (the same code whether the row ran alone or in a pack)."""
     choices = [
         ChatChoice(
             index=s.index,
@@ -110,8 +127,63 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
         completion_tokens=result.completion_tokens,
         total_tokens=result.prompt_tokens + result.completion_tokens,
     )
-    response = ChatCompletion(id=completion_id, created=now(), model=engine.info.model_id, choices=choices, usage=usage)
-    return ServiceResult(200, response.model_dump(), headers, usage.prompt_tokens, usage.completion_tokens)
+    model = p.engine.info.model_id
+    response = ChatCompletion(id=p.completion_id, created=now(), model=model, choices=choices, usage=usage)
+    return ServiceResult(200, response.model_dump(), p.headers, usage.prompt_tokens, usage.completion_tokens)
+
+
+async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
+    """Run a chat completion. Returns a :class:`ServiceResult`, or a :class:`StreamResult` when ``stream`` is true.
+
+    A scoring-mode request (one token) runs as one scoring pass (``Engine.score``), which chooses its token exactly
+    as generation does; any other through ``Engine.generate``.
+    """
+    p = _prepare(ctx, body, call)
+    if p.req.stream:
+        include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
+        return StreamResult(_stream(ctx, p.engine, p.gen, call, p.completion_id, include_usage), p.headers)
+    async with ctx.gate.hold(call.priority, call.slot):
+        if p.scoring:
+            result = (await p.engine.score(ScoreRequest(p.gen))).generation
+        else:
+            result = await p.engine.generate(p.gen)
+    return _build(p, result)
+
+
+async def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
+    """Many rows at once (a ``pack: true`` batch): scoring rows in the packs ``plan`` makes (``Engine.score_many``),
+    other rows one at a time through :func:`create`. Yields every row once, in no particular order."""
+    rows: list[RowUnits[ScoreRequest, ScoreResult]] = []
+    singles: list[int] = []
+    engine: Engine | None = None
+    for i, body in enumerate(bodies):
+        try:
+            p = _prepare(ctx, body, call)
+        except APIError as exc:
+            yield Outcome(i, exc, False)
+            continue
+        engine = engine or p.engine
+        if p.scoring and p.engine is engine:
+            rows.append(RowUnits(i, [ScoreRequest(p.gen)], partial(_build_scored, p)))
+        else:
+            singles.append(i)
+    if engine is not None and rows:
+        async for outcome in run_rows(
+            ctx,
+            call,
+            rows,
+            run_pack=engine.score_many,
+            run_one=engine.score,
+            length=lambda u: len(u.prompt_ids),
+            plan=plan,
+        ):
+            yield outcome
+    async for outcome in run_singles(create, ctx, bodies, singles, call):
+        yield outcome
+
+
+def _build_scored(p: _Prepared, results: list[ScoreResult]) -> ServiceResult:
+    return _build(p, results[0].generation)
 
 
 async def _stream(

@@ -1,19 +1,27 @@
-"""``POST /v1/completions`` (text completions) on the resident model: one code path for the route and batch rows."""
+"""``POST /v1/completions`` (text completions) on the resident model: one code path for the route and batch rows.
+
+Scoring mode (DESIGN §3.4): a request with ``max_tokens`` 0 or 1 needs at most one forward pass over each prompt
+(``Engine.score``); with ``echo`` and ``logprobs`` it also reports every prompt token's logprob, the first one null
+(OpenAI's shape). Such rows pack in a ``pack: true`` batch (:func:`create_many`); longer generations run alone.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from ..engines.adapter import generation_request
-from ..engines.base import Engine, GenerationRequest, Sequence_
-from ..errors import InvalidRequestError, UnsupportedParameterError
+from ..engines.base import Engine, GenerationRequest, ScoreRequest, ScoreResult, Sequence_, TokenLogprob
+from ..errors import APIError, InvalidRequestError, UnsupportedParameterError
 from ..ids import now, random_id
 from ..protocol.common import Usage, parse_request
 from ..protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from .common import check_context, check_stop, check_stream_options, refuse_unsupported
+from .common import check_context, check_stop, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
+from .many import Outcome, Plan, RowUnits, run_rows, run_singles
 
 UNSUPPORTED_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
@@ -29,11 +37,6 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRe
     if req.suffix:
         raise UnsupportedParameterError("Unsupported parameter: 'suffix' is not supported.", param="suffix")
     check_stop(req.stop)
-    check_stream_options(req.stream, req.stream_options)
-    if req.echo and req.logprobs is not None:
-        raise UnsupportedParameterError(
-            "Unsupported parameter: 'echo' with 'logprobs' (prompt logprobs) is not supported yet.", param="echo"
-        )
     if isinstance(req.prompt, list) and len(req.prompt) == 0:
         raise InvalidRequestError("Invalid 'prompt': it must not be empty.", param="prompt")
     engine = ctx.resolve_model(req.model)
@@ -60,29 +63,34 @@ def _prompts(engine: Engine, req: CompletionRequest) -> list[list[int]]:
     return lists
 
 
-def _choice(index: int, seq: Sequence_, prefix: str, want_logprobs: bool) -> CompletionChoice:
-    logprobs = None
-    if want_logprobs and seq.logprobs is not None:
-        offset, offsets = len(prefix), []
-        for lp in seq.logprobs:
-            offsets.append(offset)
-            offset += len(lp.token)
-        logprobs = CompletionLogprobs(
-            tokens=[lp.token for lp in seq.logprobs],
-            token_logprobs=[lp.logprob for lp in seq.logprobs],
-            top_logprobs=[{t: v for _, t, v in lp.top} for lp in seq.logprobs],
-            text_offset=offsets,
-        )
-    return CompletionChoice(index=index, text=prefix + seq.text, logprobs=logprobs, finish_reason=seq.finish_reason)
+@dataclass
+class _Prepared:
+    """A checked, tokenised request: one generation request per prompt, and ``prompt_k`` (the top alternatives of
+    the prompt logprobs, or None when ``echo`` with ``logprobs`` was not asked)."""
+
+    req: CompletionRequest
+    engine: Engine
+    gens: list[GenerationRequest]
+    prompt_k: int | None
+    headers: dict[str, str]
+    completion_id: str
+
+    @property
+    def scoring(self) -> bool:
+        """Scoring mode: at most one forward pass over each prompt; packable in a batch."""
+        return self.gens[0].params.max_tokens <= 1 and not self.req.stream
 
 
-async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
-    """Run a text completion over every prompt of the request (choices indexed prompt-major, then ``n``)."""
+def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
+    """Check, tokenise, check the context length and pick the seed (raises :class:`~miserver.errors.APIError`)."""
     req, engine = check(ctx, body, strict=call.strict)
     prompts = _prompts(engine, req)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    prompt_k = req.logprobs if req.echo else None
     for ids in prompts:
         check_context(len(ids), max_tokens, engine.info.context_length, param="prompt")
+        if not ids and (max_tokens > 0 or prompt_k is not None):
+            raise InvalidRequestError("Invalid 'prompt': it has no tokens.", param="prompt")
     seed, seed_header = ctx.pick_seed(req.seed)
     gens = [
         generation_request(
@@ -98,51 +106,148 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
         for ids in prompts
     ]
     headers = provenance_headers(engine, seed_header, call.lease)
-    completion_id = random_id("cmpl-")
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamResult(_stream(ctx, engine, req, gens, call, completion_id, include_usage), headers)
+    return _Prepared(req, engine, gens, prompt_k, headers, random_id("cmpl-"))
+
+
+def _prompt_only(gen: GenerationRequest) -> GenerationRequest:
+    """``gen`` with no token to generate (for the prompt logprobs of a longer generation)."""
+    return replace(gen, params=replace(gen.params, max_tokens=0))
+
+
+async def _run_prompt(p: _Prepared, gen: GenerationRequest) -> ScoreResult:
+    """One prompt alone: one scoring pass in scoring mode; else generation (after a prompt pass for echo logprobs)."""
+    if p.scoring:
+        return await p.engine.score(ScoreRequest(gen, p.prompt_k))
+    prompt = await p.engine.score(ScoreRequest(_prompt_only(gen), p.prompt_k)) if p.prompt_k is not None else None
+    result = await p.engine.generate(gen)
+    if prompt is None:
+        return ScoreResult(result)
+    return ScoreResult(result, prompt.prompt_logprobs, prompt.prompt_tokens)
+
+
+def _entries(lps: list[TokenLogprob | None], texts: list[str]) -> list[tuple[str, float | None, dict[str, float] | None]]:
+    return [
+        (text, None, None) if lp is None else (text, lp.logprob, {t: v for _, t, v in lp.top})
+        for lp, text in zip(lps, texts)
+    ]
+
+
+def _choice(index: int, seq: Sequence_, prefix: str, want_logprobs: bool, scored: ScoreResult) -> CompletionChoice:
+    """One choice. With ``echo`` and ``logprobs`` the logprobs cover the prompt tokens, then the generated ones, and
+    ``text_offset`` counts from the start of the echoed text; without ``echo`` it counts from the completion's."""
+    logprobs = None
+    if want_logprobs and seq.logprobs is not None:
+        entries = []
+        offset = len(prefix)
+        if scored.prompt_logprobs is not None and scored.prompt_tokens is not None:
+            entries = _entries(scored.prompt_logprobs, scored.prompt_tokens)
+            offset = 0
+        entries += _entries(list(seq.logprobs), [lp.token for lp in seq.logprobs])
+        offsets = []
+        for token, _, _ in entries:
+            offsets.append(offset)
+            offset += len(token)
+        logprobs = CompletionLogprobs(
+            tokens=[e[0] for e in entries],
+            token_logprobs=[e[1] for e in entries],
+            top_logprobs=[e[2] for e in entries],
+            text_offset=offsets,
+        )
+    return CompletionChoice(index=index, text=prefix + seq.text, logprobs=logprobs, finish_reason=seq.finish_reason)
+
+
+def _build(p: _Prepared, results: list[ScoreResult]) -> ServiceResult:
+    """The response from each prompt's result (the same code whether the prompts ran alone or in packs)."""
     choices: list[CompletionChoice] = []
     prompt_tokens = completion_tokens = 0
-    async with ctx.gate.hold(call.priority, call.slot):
-        for p_index, gen in enumerate(gens):
-            result = await engine.generate(gen)
-            prefix = engine.decode(list(gen.prompt_ids)) if req.echo else ""
-            prompt_tokens += result.prompt_tokens
-            completion_tokens += result.completion_tokens
-            for seq in result.sequences:
-                choices.append(_choice(p_index * gen.n + seq.index, seq, prefix, req.logprobs is not None))
+    for p_index, (gen, scored) in enumerate(zip(p.gens, results)):
+        result = scored.generation
+        prefix = p.engine.decode(list(gen.prompt_ids)) if p.req.echo else ""
+        prompt_tokens += result.prompt_tokens
+        completion_tokens += result.completion_tokens
+        for seq in result.sequences:
+            choices.append(_choice(p_index * gen.n + seq.index, seq, prefix, p.req.logprobs is not None, scored))
     usage = Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
     )
-    response = Completion(id=completion_id, created=now(), model=engine.info.model_id, choices=choices, usage=usage)
-    return ServiceResult(200, response.model_dump(), headers, prompt_tokens, completion_tokens)
+    model = p.engine.info.model_id
+    response = Completion(id=p.completion_id, created=now(), model=model, choices=choices, usage=usage)
+    return ServiceResult(200, response.model_dump(), p.headers, prompt_tokens, completion_tokens)
 
 
-async def _stream(
-    ctx: ServiceContext,
-    engine: Engine,
-    req: CompletionRequest,
-    gens: list[GenerationRequest],
-    call: Call,
-    completion_id: str,
-    include_usage: bool,
-) -> AsyncIterator[str]:
+async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
+    """Run a text completion over every prompt of the request (choices indexed prompt-major, then ``n``)."""
+    p = _prepare(ctx, body, call)
+    if p.req.stream:
+        include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
+        return StreamResult(_stream(ctx, p, call, include_usage), p.headers)
+    async with ctx.gate.hold(call.priority, call.slot):
+        results = [await _run_prompt(p, gen) for gen in p.gens]
+    return _build(p, results)
+
+
+async def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
+    """Many rows at once (a ``pack: true`` batch): every prompt of every scoring-mode row in the packs ``plan``
+    makes (``Engine.score_many``); other rows one at a time through :func:`create`. Yields every row once."""
+    rows: list[RowUnits[ScoreRequest, ScoreResult]] = []
+    singles: list[int] = []
+    engine: Engine | None = None
+    for i, body in enumerate(bodies):
+        try:
+            p = _prepare(ctx, body, call)
+        except APIError as exc:
+            yield Outcome(i, exc, False)
+            continue
+        engine = engine or p.engine
+        if p.scoring and p.engine is engine:
+            rows.append(RowUnits(i, [ScoreRequest(g, p.prompt_k) for g in p.gens], partial(_build, p)))
+        else:
+            singles.append(i)
+    if engine is not None and rows:
+        async for outcome in run_rows(
+            ctx,
+            call,
+            rows,
+            run_pack=engine.score_many,
+            run_one=engine.score,
+            length=lambda u: len(u.prompt_ids),
+            plan=plan,
+        ):
+            yield outcome
+    async for outcome in run_singles(create, ctx, bodies, singles, call):
+        yield outcome
+
+
+async def _stream(ctx: ServiceContext, p: _Prepared, call: Call, include_usage: bool) -> AsyncIterator[str]:
     created = now()
+    req, engine = p.req, p.engine
     model = engine.info.model_id
 
     def event(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        c = Completion(id=completion_id, created=created, model=model, choices=choices, usage=usage)
+        c = Completion(id=p.completion_id, created=created, model=model, choices=choices, usage=usage)
         return json.dumps(c.model_dump())
 
     prompt_tokens = completion_tokens = 0
     async with ctx.gate.hold(call.priority, call.slot):
-        for p_index, gen in enumerate(gens):
+        for p_index, gen in enumerate(p.gens):
             prompt_tokens += len(gen.prompt_ids)
             if req.echo:
                 prefix = engine.decode(list(gen.prompt_ids))
+                echoed = None
+                if p.prompt_k is not None:
+                    scored = await engine.score(ScoreRequest(_prompt_only(gen), p.prompt_k))
+                    assert scored.prompt_logprobs is not None and scored.prompt_tokens is not None
+                    entries = _entries(scored.prompt_logprobs, scored.prompt_tokens)
+                    offsets = [sum(len(e[0]) for e in entries[:k]) for k in range(len(entries))]
+                    echoed = CompletionLogprobs(
+                        tokens=[e[0] for e in entries],
+                        token_logprobs=[e[1] for e in entries],
+                        top_logprobs=[e[2] for e in entries],
+                        text_offset=offsets,
+                    )
                 for i in range(gen.n):
-                    yield event([CompletionChoice(index=p_index * gen.n + i, text=prefix, logprobs=None, finish_reason=None)])
+                    choice = CompletionChoice(index=p_index * gen.n + i, text=prefix, logprobs=echoed, finish_reason=None)
+                    yield event([choice])
             async for delta in engine.generate_stream(gen):
                 completion_tokens += len(delta.token_ids)
                 index = p_index * gen.n + delta.index

@@ -7,7 +7,7 @@ returns a :class:`ServiceResult` (status, JSON body, headers, usage) or raises :
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ from ..engines.base import Engine
 from ..errors import EngineUnavailableError, ModelNotFoundError
 from ..leases import LeaseManager
 from ..scheduler import AdmissionGate, Priority, Slot
+from ..store import Store
 
 
 @dataclass
@@ -38,24 +39,39 @@ class StreamResult:
 
 @dataclass
 class Call:
-    """How a service is called: strict mode, admission class, and a slot the caller already holds (batch chunk)."""
+    """How a service is called: strict mode, admission class, and a slot the caller already holds (batch chunk).
+
+    ``should_stop``, when set, is asked by a many-rows call (``create_many``) before each pack or row it starts;
+    once it answers true the remaining rows are left unrun and not yielded (the batch runner's time bound).
+    """
 
     strict: bool = False
     priority: Priority = Priority.INTERACTIVE
     slot: Slot | None = None
     lease: str | None = None
+    should_stop: Callable[[], bool] | None = None
+
+    def stopped(self) -> bool:
+        return self.should_stop is not None and self.should_stop()
 
 
 @dataclass
 class ServiceContext:
-    """The resident engine (None while no model is resident or one is loading), its gate, its lease, and the
-    server's seed source."""
+    """The resident engine (None while no model is resident or one is loading), its gate, its lease, the
+    server's seed source, and the store (services that keep objects, such as probes, read it)."""
 
     engine: Engine | None
     gate: AdmissionGate
     rng: random.Random = field(default_factory=random.Random)
     leases: LeaseManager = field(default_factory=LeaseManager)
     loading: bool = False
+    store: Store | None = None
+
+    def require_store(self) -> Store:
+        """The store; ``RuntimeError`` when the context was built without one (a programming error)."""
+        if self.store is None:
+            raise RuntimeError("this service context has no store")
+        return self.store
 
     def require_engine(self) -> Engine:
         """The resident engine; 503 ``engine_unavailable`` when none is loaded."""

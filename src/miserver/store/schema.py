@@ -170,3 +170,26 @@ model_state = Table(
     Column("weights_torn", Boolean, nullable=False, server_default=text("false")),
     Column("updated_at", BigInteger, nullable=False),
 )
+
+# Linear probes on a model's hidden states (DESIGN §3.5, Probes). ``name`` is what requests use; the probe belongs to
+# ``model_id`` (scoring it with another resident model is refused). Weights and bias are JSON arrays of floats in the
+# shape the API takes them (binary: ``[hidden]`` and a number; K classes: ``[K][hidden]`` and ``[K]``).
+probes = Table(
+    "probes",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("name", String(128), nullable=False, unique=True),
+    Column("model_id", String(512), nullable=False),
+    Column("weights_revision", String(64), nullable=False),
+    Column("layer", Integer, nullable=False),
+    Column("pooling", String(8), nullable=False),
+    Column("hidden_size", Integer, nullable=False),
+    Column("classes_json", Text, nullable=False),
+    Column("weights_json", Text, nullable=False),
+    Column("bias_json", Text, nullable=False),
+    Column("training_json", Text, nullable=True),
+    Column("description", Text, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    CheckConstraint("pooling IN ('mean', 'last')", name="pooling"),
+    CheckConstraint("layer >= 0 AND hidden_size > 0", name="shape"),
+)

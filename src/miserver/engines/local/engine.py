@@ -1,7 +1,7 @@
 """The local engine: one resident transformers model driven from one dedicated thread (DESIGN §8).
 
-All torch work (loading, prefill, decode) runs on a single ``miserver-engine`` worker thread, so requests are
-executed one at a time in submission order and the event loop never blocks on the model. Streaming hands deltas
+All torch work (loading, prefill, decode, scoring and pooling passes) runs on a single ``miserver-engine`` worker
+thread, so requests are executed one at a time in submission order and the event loop never blocks on the model. Streaming hands deltas
 from that thread to the event loop through an ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``.
 """
 
@@ -20,11 +20,16 @@ from miserver.engines.base import (
     EngineInfo,
     GenerationRequest,
     GenerationResult,
-    Sequence_,
+    PoolRequest,
+    ScoreRequest,
+    ScoreResult,
     StreamDelta,
+    Vector,
 )
-from miserver.engines.local.generate import generate_request
+from miserver.engines.local.embed import pool_pack
+from miserver.engines.local.generate import collect_result, generate_request
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
+from miserver.engines.local.score import score_pack
 
 _DONE = object()
 
@@ -36,8 +41,9 @@ def _new_executor() -> ThreadPoolExecutor:
 class LocalEngine:
     """An :class:`~miserver.engines.base.Engine` over a model in this process.
 
-    ``executions`` counts ``generate``/``generate_stream`` calls; ``on_execute``, when set, is called with each
-    request at that moment (tests use both to prove work is not run twice).
+    ``executions`` counts requests run (``generate``/``generate_stream`` calls, and each request of ``score``,
+    ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is called with each request at that moment
+    (tests use both to prove work is not run twice).
     """
 
     def __init__(self, loaded: LoadedModel, served_id: str, executor: ThreadPoolExecutor | None = None) -> None:
@@ -45,19 +51,24 @@ class LocalEngine:
         self._executor = executor or _new_executor()
         config = loaded.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
         self.info = EngineInfo(
             model_id=served_id,
             backend="serial",
             dtype=str(loaded.dtype).removeprefix("torch."),
             weights_revision=loaded.weights_revision,
             context_length=self.context_length,
+            hidden_size=int(getattr(config, "hidden_size", 0) or 0),
+            num_layers=self.num_layers,
         )
         self.eos_ids = _eos_ids(loaded)
+        pad = loaded.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else next(iter(sorted(self.eos_ids)), 0))
         embedding = loaded.model.get_input_embeddings()
         rows = embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else config.vocab_size
         self._vocab_size = int(rows)
         self.executions = 0
-        self.on_execute: Callable[[GenerationRequest], None] | None = None
+        self.on_execute: Callable[[GenerationRequest | PoolRequest], None] | None = None
 
     @classmethod
     async def start(
@@ -134,6 +145,51 @@ class LocalEngine:
         self._count(request)
         return self._stream(request)
 
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """One scoring request alone (a pack of one row, no padding). Raises ``ValueError`` as :meth:`score_many`."""
+        return (await self.score_many([request]))[0]
+
+    async def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """The requests as one right-padded pack on the engine thread (see ``score.score_pack``); results in order.
+
+        Raises ``ValueError`` for ``max_tokens`` above 1 or an empty prompt that needs a forward pass.
+        """
+        for r in requests:
+            self._count(r.generation)
+        loaded = self.loaded
+
+        def run() -> list[ScoreResult]:
+            with torch.inference_mode():
+                return score_pack(
+                    loaded.model,
+                    loaded.tokenizer,
+                    requests,
+                    pad_id=self.pad_id,
+                    eos_ids=self.eos_ids,
+                    max_positions=self.context_length or None,
+                )
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    async def embed(self, request: PoolRequest) -> Vector:
+        """One pooled vector, its input alone (no padding). Raises ``ValueError`` as :meth:`embed_many`."""
+        return (await self.embed_many([request]))[0]
+
+    async def embed_many(self, requests: Sequence[PoolRequest]) -> list[Vector]:
+        """The inputs as one right-padded pack, each pooled over its own tokens; float32 ``[hidden]`` vectors.
+
+        Raises ``ValueError`` for an empty input, a layer out of range, or requests naming different layers.
+        """
+        for r in requests:
+            self._count(r)
+        loaded = self.loaded
+
+        def run() -> list[Vector]:
+            with torch.inference_mode():
+                return pool_pack(loaded.model, requests, pad_id=self.pad_id, num_layers=self.num_layers)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
     async def close(self) -> None:
         """Finish the running request, stop the thread and drop the model."""
         if self._loaded is None:
@@ -146,7 +202,7 @@ class LocalEngine:
 
     # --- engine thread -------------------------------------------------------------------------------------------
 
-    def _count(self, request: GenerationRequest) -> None:
+    def _count(self, request: GenerationRequest | PoolRequest) -> None:
         if self._loaded is None:
             raise RuntimeError("the engine is closed")
         self.executions += 1
@@ -165,21 +221,8 @@ class LocalEngine:
         )
 
     def _run_to_end(self, request: GenerationRequest, should_stop: Callable[[], bool]) -> GenerationResult:
-        want_logprobs = request.params.logprobs is not None
-        seqs = [Sequence_(i, [], "", "length", [] if want_logprobs else None) for i in range(request.n)]
-        texts: list[list[str]] = [[] for _ in seqs]
         with torch.inference_mode():
-            for delta in self._deltas(request, should_stop):
-                seq = seqs[delta.index]
-                texts[delta.index].append(delta.text)
-                seq.token_ids.extend(delta.token_ids)
-                if seq.logprobs is not None:
-                    seq.logprobs.extend(delta.logprobs)
-                if delta.finish_reason is not None:
-                    seq.finish_reason = delta.finish_reason
-        for seq, parts in zip(seqs, texts):
-            seq.text = "".join(parts)
-        return GenerationResult(sequences=seqs, prompt_tokens=len(request.prompt_ids))
+            return collect_result(self._deltas(request, should_stop), request)
 
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
         loop = asyncio.get_running_loop()

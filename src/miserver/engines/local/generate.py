@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from miserver.engines.base import FinishReason, GenerationRequest, SamplingParams, StreamDelta, TokenLogprob
+from miserver.engines.base import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    Sequence_,
+    StreamDelta,
+    TokenLogprob,
+)
 
 _REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
 
@@ -189,7 +197,7 @@ def generate_sequence(
     generator = torch.Generator(device=device).manual_seed(params.seed if seed is None else seed)
     logits, past = prefilled or prefill(model, torch.tensor(list(prompt_ids), dtype=torch.long, device=device))
     out = _Output(tokenizer, params.stop, index)
-    token_text = _token_text(tokenizer)
+    token_text = token_text_cache(tokenizer)
     for step in range(limit):
         if should_stop is not None and should_stop():
             return
@@ -248,7 +256,26 @@ def generate_request(
         )
 
 
-def _token_text(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str]:
+def collect_result(deltas: Iterable[StreamDelta], request: GenerationRequest) -> GenerationResult:
+    """Join the deltas of ``request``'s ``n`` sequences into a :class:`GenerationResult` (sequences in index order)."""
+    want_logprobs = request.params.logprobs is not None
+    seqs = [Sequence_(i, [], "", "length", [] if want_logprobs else None) for i in range(request.n)]
+    texts: list[list[str]] = [[] for _ in seqs]
+    for delta in deltas:
+        seq = seqs[delta.index]
+        texts[delta.index].append(delta.text)
+        seq.token_ids.extend(delta.token_ids)
+        if seq.logprobs is not None:
+            seq.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            seq.finish_reason = delta.finish_reason
+    for seq, parts in zip(seqs, texts):
+        seq.text = "".join(parts)
+    return GenerationResult(sequences=seqs, prompt_tokens=len(request.prompt_ids))
+
+
+def token_text_cache(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str]:
+    """A memoised renderer of one token id as text (special tokens kept), for logprobs."""
     cache: dict[int, str] = {}
 
     def text(token_id: int) -> str:

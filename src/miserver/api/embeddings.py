@@ -1,0 +1,19 @@
+"""``POST /v1/embeddings`` on the resident model: a thin wrapper over ``services.embeddings``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..services.context import Call
+from ..services.registry import SERVICES
+from .common import json_body, state, strict_mode, to_response
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    body = await json_body(request)
+    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    return to_response(await SERVICES["/v1/embeddings"].create(state(request).ctx, body, call))

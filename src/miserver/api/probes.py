@@ -1,0 +1,47 @@
+"""Probe routes (DESIGN §3.5): create, list, get, delete, and ``POST /api/probes/score``; thin wrappers over
+``services.probes``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..services import probes
+from ..services.context import Call
+from ..services.registry import SERVICES
+from .common import json_body, state, strict_mode, to_response
+
+router = APIRouter()
+
+
+@router.post("/api/probes/score")
+async def score(request: Request) -> Response:
+    """``{probe, input}``: the named probe on the resident model's hidden states (no model field)."""
+    body = await json_body(request)
+    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    return to_response(await SERVICES["/api/probes/score"].create(state(request).ctx, body, call))
+
+
+@router.post("/api/probes")
+async def create(request: Request) -> dict[str, Any]:
+    """Store a probe (``weights`` + ``bias``) or train one (``texts`` + ``labels``) for the resident model."""
+    body = await json_body(request)
+    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    return await probes.create_probe(state(request).ctx, body, call)
+
+
+@router.get("/api/probes")
+async def list_probes(request: Request) -> dict[str, Any]:
+    return await probes.list_probes(state(request).ctx)
+
+
+@router.get("/api/probes/{name}")
+async def get_probe(name: str, request: Request) -> dict[str, Any]:
+    return await probes.get_probe(state(request).ctx, name)
+
+
+@router.delete("/api/probes/{name}")
+async def delete_probe(name: str, request: Request) -> dict[str, Any]:
+    return await probes.delete_probe(state(request).ctx, name)

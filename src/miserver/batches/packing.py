@@ -1,0 +1,129 @@
+"""Packing in the batch runner (DESIGN §4 "Packing"): which batches pack, how packs are planned, and how a packed
+window of rows is run and recorded.
+
+A ``pack: true`` batch on an endpoint whose service has a many-rows call (chat and text completions, embeddings)
+claims a *window* of ``BATCH_PACK_WINDOW_ROWS`` rows instead of a ``BATCH_CHUNK_ROWS`` chunk. The service checks every
+row as its synchronous route does and hands :func:`budget_packs` the token lengths of the packable units (the
+prompts of scoring rows, every embedding input). Because a pack is as wide as its longest row, the planner is
+length-aware: it sorts the window's units by length and cuts packs whose ``rows x longest row`` stays within
+``BATCH_PACK_TOKEN_BUDGET`` (a unit longer than the budget runs alone). Generation rows (``max_tokens`` > 1) run one
+at a time through the synchronous code; probe rows never pack (their service has no many-rows call).
+
+Rows finish in pack order; each is recorded as soon as it finishes, in its own transaction fenced by the claim token
+(exactly once), and the output file is written in input order whatever the recording order. :func:`fixed_packs` and
+:func:`sorted_packs` are the plain schemes the benchmark compares against (``bench/packing.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from ..errors import APIError
+from ..services.context import Call, ServiceContext
+from ..services.many import Plan
+from ..services.registry import SERVICES, EndpointService
+from ..settings import Settings
+from ..store import Store
+from ..store import rows as store_rows
+from ..store.batches import BatchRecord
+from . import output
+
+log = logging.getLogger("miserver.batches")
+
+
+def fixed_packs(lengths: Sequence[int], size: int) -> list[list[int]]:
+    """Packs of ``size`` units in the given order (the plain scheme: a pack is as wide as its longest unit)."""
+    return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+
+
+def sorted_packs(lengths: Sequence[int], size: int) -> list[list[int]]:
+    """Packs of ``size`` units of similar length: the units sorted by length (stable), then cut every ``size``."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def budget_packs(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Length-aware packs: units sorted by length, each pack grown while ``units x longest unit <= budget``.
+
+    Sorting makes the units of a pack of similar length (little padding); the budget bounds the work and memory of a
+    pack (``[units, longest]`` token ids), so short units go in wide packs and long ones in narrow packs. A unit
+    longer than ``budget`` forms a pack by itself. Every index appears in exactly one pack.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    packs: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > budget:
+            packs.append(current)
+            current = []
+        current.append(i)
+    if current:
+        packs.append(current)
+    return packs
+
+
+def runner_plan(settings: Settings) -> Plan:
+    """The runner's planner: :func:`budget_packs` with ``BATCH_PACK_TOKEN_BUDGET``."""
+    return partial(budget_packs, budget=settings.batch_pack_token_budget)
+
+
+def packs(batch: BatchRecord) -> bool:
+    """Whether ``batch`` runs its rows through the packed path (``pack: true`` and a packable endpoint)."""
+    service = SERVICES.get(batch.endpoint)
+    return bool(batch.pack) and service is not None and service.create_many is not None
+
+
+def claim_limit(settings: Settings, batch: BatchRecord) -> int:
+    """Rows to claim per admission slot: the packing window for a packed batch, else the chunk."""
+    return settings.batch_pack_window_rows if packs(batch) else settings.batch_chunk_rows
+
+
+async def run_window(
+    *,
+    ctx: ServiceContext,
+    store: Store,
+    service: EndpointService,
+    batch_id: str,
+    token: str,
+    rows: Sequence[store_rows.ClaimedRow],
+    call: Call,
+    settings: Settings,
+    on_change: Callable[[str], None],
+) -> None:
+    """Run a claimed window through ``service.create_many`` and record each row as it finishes.
+
+    ``call`` holds the chunk's slot and its ``should_stop`` (stop, time bound): rows left unrun stay pending and are
+    released by the caller with the claim. Returns early when a record is refused (the claim was taken over).
+    """
+    assert service.create_many is not None
+    bodies = [json.loads(r.body) for r in rows]
+    outcomes = service.create_many(ctx, bodies, call, runner_plan(settings))
+    try:
+        async for outcome in outcomes:
+            row = rows[outcome.index]
+            if isinstance(outcome.result, APIError):
+                ok, line, usage = False, output.failure_line(row.custom_id, outcome.result), (0, 0)
+            else:
+                result = outcome.result
+                ok, usage = True, (result.prompt_tokens, result.completion_tokens)
+                line = output.success_line(row.custom_id, result, packed=outcome.packed)
+            async with store.tx() as conn:
+                recorded = await store_rows.record(
+                    conn,
+                    batch_id=batch_id,
+                    line=row.line,
+                    token=token,
+                    ok=ok,
+                    result=line,
+                    input_tokens=usage[0],
+                    output_tokens=usage[1],
+                )
+            if not recorded:
+                log.warning("batch %s line %d: claim lost, result dropped", batch_id, row.line)
+                return
+            on_change(batch_id)
+    finally:
+        await outcomes.aclose()  # type: ignore[attr-defined]

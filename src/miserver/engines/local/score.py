@@ -1,0 +1,138 @@
+"""Scoring-mode forward passes, alone or as one right-padded pack (DESIGN §3.4 "Scoring mode", §4 "Packing").
+
+A pack is ``[rows, width]`` token ids, each row right-padded to the longest one. Under the causal mask a real token
+attends only to positions before it, which are all real, so no padding mask is needed: each row's real positions
+compute what the row alone computes, up to the rounding of a wider matrix product. Each row is read at its own last
+real token, and the LM head runs only at the positions read (the last one, plus every prompt position of a row that
+asks for prompt logprobs). A request alone is a pack of one row, without padding.
+
+Everything here is synchronous and runs under ``torch.inference_mode`` on the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from miserver.engines.base import ScoreRequest, ScoreResult, TokenLogprob
+from miserver.engines.local.generate import collect_result, generate_sequence, token_text_cache
+
+#: Prompt positions whose logits are materialised at once for prompt logprobs (bounds memory: chunk x vocab floats).
+PROMPT_CHUNK = 256
+
+
+def padded_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """``rows`` (each at least one id) right-padded with ``pad_id`` into a ``[len(rows), longest]`` long tensor."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+    return ids.to(device)
+
+
+def pack_hidden(model: PreTrainedModel, rows: Sequence[Sequence[int]], pad_id: int, layer: int = -1) -> torch.Tensor:
+    """Hidden states ``[len(rows), longest, hidden]`` of a right-padded pack at ``layer``.
+
+    ``layer`` -1 is the decoder's final, normed output (what the LM head reads); otherwise it indexes
+    transformers' ``hidden_states`` (0 = token embeddings). Positions past a row's length are padding: ignore them.
+    """
+    ids = padded_ids(rows, pad_id, model.device)
+    want_all = layer != -1
+    out = model.base_model(input_ids=ids, use_cache=False, output_hidden_states=want_all)
+    return out.hidden_states[layer] if want_all else out.last_hidden_state
+
+
+def score_pack(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    requests: Sequence[ScoreRequest],
+    *,
+    pad_id: int,
+    eos_ids: Collection[int] = (),
+    max_positions: int | None = None,
+) -> list[ScoreResult]:
+    """Answer ``requests`` with one forward pass over all of them (one right-padded pack); results in order.
+
+    A request with ``max_tokens`` 0 and no prompt logprobs needs no forward pass and takes no place in the pack.
+    Raises ``ValueError`` for ``max_tokens`` above 1 or an empty prompt that needs a forward pass.
+    """
+    for r in requests:
+        if r.generation.params.max_tokens > 1:
+            raise ValueError("a scoring request has max_tokens 0 or 1")
+    needs = [i for i, r in enumerate(requests) if _needs_forward(r)]
+    if any(not requests[i].prompt_ids for i in needs):
+        raise ValueError("the prompt has no tokens")
+    logits: dict[int, torch.Tensor] = {}
+    prompt: dict[int, list[TokenLogprob | None]] = {}
+    token_text = token_text_cache(tokenizer)
+    if needs:
+        rows = [requests[i].prompt_ids for i in needs]
+        hidden = pack_hidden(model, rows, pad_id)
+        head = model.get_output_embeddings()
+        last = torch.tensor([len(r) - 1 for r in rows], device=hidden.device)
+        read = head(hidden[torch.arange(len(rows), device=hidden.device), last]).float()  # [rows, vocab]
+        for b, i in enumerate(needs):
+            logits[i] = read[b]
+            k = requests[i].prompt_logprobs
+            if k is not None:
+                prompt[i] = prompt_logprobs(head, hidden[b, : len(rows[b])], rows[b], k, token_text)
+    empty_cache = DynamicCache(config=model.config)  # never read: one token at most follows the prompt
+    results = []
+    for i, r in enumerate(requests):
+        gen = r.generation
+        deltas = (
+            delta
+            for s in range(gen.n)
+            for delta in generate_sequence(
+                model,
+                tokenizer,
+                gen.prompt_ids,
+                gen.params,
+                index=s,
+                seed=gen.params.seed + s,
+                eos_ids=eos_ids,
+                max_positions=max_positions,
+                prefilled=(logits[i], empty_cache) if i in logits else None,
+            )
+        )
+        result = collect_result(deltas, gen)
+        if r.prompt_logprobs is None:
+            results.append(ScoreResult(result))
+        else:
+            texts = [token_text(int(t)) for t in r.prompt_ids]
+            results.append(ScoreResult(result, prompt.get(i, [None] * len(r.prompt_ids)), texts))
+    return results
+
+
+def prompt_logprobs(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    ids: Sequence[int],
+    k: int,
+    token_text: Callable[[int], str],
+) -> list[TokenLogprob | None]:
+    """Each prompt token's logprob given the tokens before it, with the ``k`` most likely alternatives.
+
+    ``hidden`` is ``[len(ids), hidden]`` (one row of a pack, padding cut off). The first token has nothing before
+    it: its entry is None (OpenAI's ``echo`` shape). Logits are made ``PROMPT_CHUNK`` positions at a time.
+    """
+    out: list[TokenLogprob | None] = [None]
+    targets = torch.tensor(list(ids[1:]), dtype=torch.long, device=hidden.device)
+    for start in range(0, len(ids) - 1, PROMPT_CHUNK):
+        stop = min(start + PROMPT_CHUNK, len(ids) - 1)
+        logp = torch.log_softmax(head(hidden[start:stop]).float(), dim=-1)  # position p predicts ids[p + 1]
+        chosen = logp.gather(1, targets[start:stop, None])[:, 0].tolist()
+        top_v, top_i = torch.topk(logp, k, dim=-1) if k > 0 else (None, None)
+        for j, value in enumerate(chosen):
+            token = int(ids[start + j + 1])
+            top: tuple[tuple[int, str, float], ...] = ()
+            if top_v is not None and top_i is not None:
+                top = tuple((int(t), token_text(int(t)), float(v)) for v, t in zip(top_v[j].tolist(), top_i[j].tolist()))
+            out.append(TokenLogprob(token, token_text(token), float(value), top))
+    return out
+
+
+def _needs_forward(request: ScoreRequest) -> bool:
+    return request.generation.params.max_tokens > 0 or request.prompt_logprobs is not None

@@ -1,0 +1,158 @@
+"""The many-rows call of the packable endpoints (DESIGN §2 and §4, "Packing").
+
+Packing is an engine capability (``score_many``, ``embed_many``); this module is how the services expose it. A
+packable service checks each row exactly as its synchronous route does and turns it into *units* (one engine
+request per prompt or input) plus a builder that makes the row's response from its units' results with the
+synchronous route's own code. :func:`run_rows` asks the caller's planner to group all units into packs, runs each
+pack through the engine under the admission gate, and yields each row as soon as all its units are done.
+
+A row refused at checking fails alone (its error is the synchronous route's). When the engine fails on a whole pack
+(a server fault such as running out of memory) the pack's units are retried one at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from ..errors import APIError, ServerError
+from .context import Call, ServiceContext, ServiceResult, StreamResult
+
+log = logging.getLogger("miserver.services")
+
+U = TypeVar("U")  # a unit: one engine request
+R = TypeVar("R")  # a unit's engine result
+
+#: A planner: the units' token lengths -> packs, each a list of unit indices; every index in exactly one pack.
+Plan = Callable[[Sequence[int]], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One row's answer: ``index`` is its position among the bodies given; ``packed`` whether it ran in a pack."""
+
+    index: int
+    result: ServiceResult | APIError
+    packed: bool
+
+
+@dataclass
+class RowUnits(Generic[U, R]):
+    """A checked row: its position, its units (at least one) and the builder of its response."""
+
+    index: int
+    units: list[U]
+    build: Callable[[list[R]], ServiceResult]
+
+
+def server_error(index: int, what: str) -> Outcome:
+    """A row that failed on the server (logged with its traceback): 500 ``internal_error``."""
+    log.exception("row %d: %s", index, what)
+    return Outcome(index, ServerError("The server failed on this request."), False)
+
+
+def check_partition(packs: list[list[int]], count: int) -> None:
+    """``ValueError`` unless ``packs`` hold every index ``0..count-1`` exactly once (a planner's contract)."""
+    seen = sorted(i for pack in packs for i in pack)
+    if seen != list(range(count)) or any(not pack for pack in packs):
+        raise ValueError("a packing plan must put every unit in exactly one non-empty pack")
+
+
+async def run_rows(
+    ctx: ServiceContext,
+    call: Call,
+    rows: list[RowUnits[U, R]],
+    *,
+    run_pack: Callable[[list[U]], Awaitable[list[R]]],
+    run_one: Callable[[U], Awaitable[R]],
+    length: Callable[[U], int],
+    plan: Plan,
+) -> AsyncIterator[Outcome]:
+    """Run the units of ``rows`` in the packs ``plan`` makes of their lengths; yield each row when it is complete.
+
+    Each pack takes the admission gate (or uses ``call.slot``); rows are yielded between packs, never while the
+    gate is held. Rows complete in pack order, not row order: the caller keeps the order (by ``Outcome.index``).
+    Before each pack ``call.stopped()`` is asked; once true, the rows not yet complete are not yielded.
+    """
+    flat = [(r, j) for r, row in enumerate(rows) for j in range(len(row.units))]
+    packs = plan([length(rows[r].units[j]) for r, j in flat])
+    check_partition(packs, len(flat))
+    results: list[list[Any]] = [[None] * len(row.units) for row in rows]
+    left = [len(row.units) for row in rows]
+    packed = [True] * len(rows)
+    for pack in packs:
+        if call.stopped():
+            return
+        units = [rows[flat[k][0]].units[flat[k][1]] for k in pack]
+        alone = False
+        async with ctx.gate.hold(call.priority, call.slot):
+            try:
+                answers: list[Any] = list(await run_pack(units))
+            except Exception:
+                log.exception("a pack of %d units failed; running them one at a time", len(units))
+                alone = True
+                answers = []
+                for unit in units:
+                    try:
+                        answers.append(await run_one(unit))
+                    except Exception as exc:  # recorded as this row's server error below
+                        answers.append(exc)
+        done = []
+        for k, answer in zip(pack, answers):
+            r, j = flat[k]
+            results[r][j] = answer
+            left[r] -= 1
+            packed[r] = packed[r] and not alone
+            if left[r] == 0:
+                done.append(r)
+        for r in done:
+            yield _finish(rows[r], results[r], packed[r])
+
+
+def _finish(row: RowUnits[Any, Any], results: list[Any], packed: bool) -> Outcome:
+    failed = next((x for x in results if isinstance(x, BaseException)), None)
+    if failed is not None:
+        log.error("row %d: the engine failed: %r", row.index, failed)
+        return Outcome(row.index, ServerError("The server failed on this request."), False)
+    try:
+        return Outcome(row.index, row.build(results), packed)
+    except APIError as exc:
+        return Outcome(row.index, exc, False)
+    except Exception:
+        return server_error(row.index, "building the response failed")
+
+
+async def run_singles(
+    create: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]],
+    ctx: ServiceContext,
+    bodies: list[Any],
+    indexes: list[int],
+    call: Call,
+) -> AsyncIterator[Outcome]:
+    """The rows at ``indexes`` that do not pack, one at a time through the synchronous route's ``create``
+    (``packed`` false). Before each row ``call.stopped()`` is asked; once true, the rest are not yielded."""
+    for index in indexes:
+        if call.stopped():
+            return
+        yield await run_single(create, ctx, bodies[index], call, index)
+
+
+async def run_single(
+    create: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]],
+    ctx: ServiceContext,
+    body: Any,
+    call: Call,
+    index: int,
+) -> Outcome:
+    """A row that does not pack, through the synchronous route's ``create``: ``packed`` false."""
+    try:
+        result = await create(ctx, body, call)
+    except APIError as exc:
+        return Outcome(index, exc, False)
+    except Exception:
+        return server_error(index, "failed on the server")
+    if not isinstance(result, ServiceResult):
+        return Outcome(index, ServerError("A batch row cannot stream."), False)
+    return Outcome(index, result, False)
