@@ -292,9 +292,11 @@ class BatchRunner:
                                              on_change=self.on_change)  # fmt: skip
                     claimed = []  # every row was recorded above or is released below
                 # -- end of packing --------------------------------------------------------------------------------
-                for row in claimed:
+                for i, row in enumerate(claimed):
                     if self._stopping or time.monotonic() - started > self.settings.batch_chunk_seconds:
                         break
+                    if i > 0 and self.ctx.gate.queue_length(Priority.INTERACTIVE):
+                        break  # someone is waiting: end the chunk at this row boundary (rest is released below)
                     call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=ready.lease)
                     ok, line, usage = await self._execute(service, row, call)
                     async with self.store.tx() as conn:

@@ -50,7 +50,8 @@ class ProbeTraining(ResponseModel):
 
 
 class Probe(ResponseModel):
-    """The probe object. ``weights``/``bias`` are returned by ``GET /api/probes/{name}`` only (not by the list)."""
+    """The probe object. ``weights``/``bias`` come with create and ``GET /api/probes/{name}``; the list
+    (``{"object": "list", "data": [...]}``) leaves them out."""
 
     id: str
     object: Literal["probe"] = "probe"
@@ -66,11 +67,6 @@ class Probe(ResponseModel):
     training: ProbeTraining | None = None
     weights: list[float] | list[list[float]] | None = None
     bias: float | list[float] | None = None
-
-
-class ProbeList(ResponseModel):
-    object: Literal["list"] = "list"
-    data: list[Probe]
 
 
 class ProbeDeleted(ResponseModel):

@@ -22,7 +22,6 @@ from ..protocol.probes import (
     Probe,
     ProbeCreateRequest,
     ProbeDeleted,
-    ProbeList,
     ProbeScore,
     ProbeScoreRequest,
     ProbeScoreResponse,
@@ -75,7 +74,7 @@ async def _features(
 
 
 def probe_object(record: ProbeRecord, *, with_weights: bool) -> dict[str, Any]:
-    """The probe object of the API (weights and bias only when ``with_weights``)."""
+    """The probe object of the API; without ``with_weights`` it has no ``weights`` and ``bias`` keys."""
     training = ProbeTraining(**record.training) if record.training else None
     return Probe(
         id=record.id,
@@ -91,7 +90,7 @@ def probe_object(record: ProbeRecord, *, with_weights: bool) -> dict[str, Any]:
         training=training,
         weights=record.weights if with_weights else None,
         bias=record.bias if with_weights else None,
-    ).model_dump()
+    ).model_dump(exclude={"weights", "bias"} if not with_weights else None)
 
 
 async def create_probe(ctx: ServiceContext, body: Any, call: Call) -> dict[str, Any]:
@@ -165,7 +164,7 @@ async def list_probes(ctx: ServiceContext) -> dict[str, Any]:
     """``GET /api/probes``: every probe, oldest first, without weights."""
     async with ctx.require_store().tx() as conn:
         records = await store_probes.list_probes(conn)
-    return ProbeList(data=[Probe(**probe_object(r, with_weights=False)) for r in records]).model_dump()
+    return {"object": "list", "data": [probe_object(r, with_weights=False) for r in records]}
 
 
 async def get_probe(ctx: ServiceContext, name: str) -> dict[str, Any]:
