@@ -170,3 +170,51 @@ async def test_every_route_and_every_status_parses_strictly(
     deleted = await client.files.delete(empty.id)
     assert deleted.deleted and deleted.id == empty.id
     assert (await client.batches.retrieve(failed.id)).status == "failed"  # a batch outlives its files
+
+
+async def test_cancel_during_finalizing_backlog_and_queued_batches(
+    sdk: tuple[openai.AsyncOpenAI, Clock], database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, _ = sdk
+    http = client._client  # the SDK's own HTTP client, for the miServer routes
+    set_torn(database_url, True)
+    f = await client.files.create(file=("in.jsonl", rows(5)), purpose="batch")
+    first = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    await until(client, first.id, "in_progress", "weights_torn")
+    health = (await http.get("http://miserver/api/health/detailed")).json()
+    assert health["inference"]["batch_backlog_rows"] == 5
+    assert health["inference"]["slots"] == {"total": 1, "in_use": 0}
+    assert health["model"]["id"] == "tiny"
+
+    # a second batch waits its turn behind the first, which holds the lease while it runs
+    second = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    release = asyncio.Event()
+    real_finish = runner_module.output.finish
+
+    async def held_finish(*args: Any, **kwargs: Any) -> bool:
+        await release.wait()
+        return await real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module.output, "finish", held_finish)
+    set_torn(database_url, False)
+    await until(client, first.id, "finalizing")
+    queued = await until(client, second.id, "in_progress", "queued")
+    assert (queued.model_extra or {})["millm"]["waiting_reason"] == "queued"
+
+    # cancel while finalizing: the batch ends cancelled, never completed, and keeps every recorded row
+    cancelling = await client.batches.cancel(first.id)
+    assert cancelling.status == "cancelling"
+    release.set()
+    cancelled = await until(client, first.id, "cancelled")
+    assert cancelled.completed_at is None and cancelled.finalizing_at is not None
+    assert cancelled.request_counts is not None and cancelled.request_counts.completed == 5
+    out = await client.files.content(cancelled.output_file_id)  # type: ignore[arg-type]
+    assert len(out.text.splitlines()) == 5
+    refused = await http.post(f"http://miserver/v1/batches/{cancelled.id}/cancel")
+    assert refused.status_code == 200 and refused.json()["status"] == "cancelled"  # cancelled again: unchanged
+    done = await until(client, second.id, "completed")
+    errors = (await client.files.content(done.error_file_id)).text[:2000] if done.error_file_id else ""
+    assert done.request_counts is not None and done.request_counts.completed == 5, errors
+    completed_cancel = await http.post(f"http://miserver/v1/batches/{done.id}/cancel")
+    assert completed_cancel.status_code == 409
+    assert (await client.batches.retrieve(done.id)).status == "completed"
