@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,33 +17,21 @@ from typing import Any
 import httpx2
 import openai
 import pytest
-import sqlalchemy as sa
 from openai.types import Batch, FileObject
 
-from miserver import ids
 from miserver.app import create_app
-from miserver.batches import runner as runner_module
 from miserver.settings import Settings
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.time() + self.offset
+from tests.support.inprocess import Clock, hold_finishing, installed_clock, set_weights_torn
 
 
 @pytest.fixture
 async def sdk(tiny_model_dir: Path, database_url: str, tmp_path: Path) -> AsyncIterator[tuple[openai.AsyncOpenAI, Clock]]:
-    clock = Clock()
-    ids.set_clock(clock)
     settings = Settings(
         model=str(tiny_model_dir), served_model_name="tiny", database_url=database_url, data_dir=tmp_path / "var",
         batch_poll_seconds=0.05,
     )  # fmt: skip
     app = create_app(settings)
-    try:
+    with installed_clock() as clock:
         async with app.router.lifespan_context(app):
             http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://miserver/v1")
             client = openai.AsyncOpenAI(
@@ -52,8 +39,6 @@ async def sdk(tiny_model_dir: Path, database_url: str, tmp_path: Path) -> AsyncI
             )
             async with client:
                 yield client, clock
-    finally:
-        ids.set_clock(None)
 
 
 def rows(n: int, **body: Any) -> bytes:
@@ -72,14 +57,6 @@ async def until(client: openai.AsyncOpenAI, batch_id: str, status: str, reason: 
             return b
         await asyncio.sleep(0.05)
     raise AssertionError(f"{batch_id} never reached {status}/{reason}: {b}")
-
-
-def set_torn(database_url: str, torn: bool) -> None:
-    engine = sa.create_engine(database_url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("DELETE FROM model_state"))
-        conn.execute(sa.text("INSERT INTO model_state (model_id, weights_torn, updated_at) VALUES ('tiny', :t, 0)"), {"t": torn})
-    engine.dispose()
 
 
 async def test_every_route_and_every_status_parses_strictly(
@@ -108,23 +85,15 @@ async def test_every_route_and_every_status_parses_strictly(
     assert (await client.files.content(f.id)).content == rows(3)
 
     # validating -> in_progress (held by the weights-torn flag) -> finalizing (held) -> completed
-    set_torn(database_url, True)
+    set_weights_torn(database_url, True)
     b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"})
     seen[b.status] = b
     seen["in_progress"] = await until(client, b.id, "in_progress", "weights_torn")
-    release = asyncio.Event()
-    real_finish = runner_module.output.finish
-
-    async def held_finish(*args: Any, **kwargs: Any) -> bool:
-        await release.wait()
-        return await real_finish(*args, **kwargs)
-
-    monkeypatch.setattr(runner_module.output, "finish", held_finish)
-    set_torn(database_url, False)
+    release = hold_finishing(monkeypatch)
+    set_weights_torn(database_url, False)
     seen["finalizing"] = await until(client, b.id, "finalizing")
     release.set()
     seen["completed"] = await until(client, b.id, "completed")
-    monkeypatch.setattr(runner_module.output, "finish", real_finish)
     out = await client.files.content(seen["completed"].output_file_id)  # type: ignore[arg-type]
     assert [json.loads(x)["custom_id"] for x in out.text.splitlines()] == ["r0", "r1", "r2"]
 
@@ -134,7 +103,7 @@ async def test_every_route_and_every_status_parses_strictly(
     seen["failed"] = await until(client, failed.id, "failed")
 
     # cancelling -> cancelled (a batch held by the flag cannot finish before the cancel)
-    set_torn(database_url, True)
+    set_weights_torn(database_url, True)
     g = await client.files.create(file=("in.jsonl", rows(4)), purpose="batch")
     c = await client.batches.create(input_file_id=g.id, endpoint="/v1/chat/completions", completion_window="2h")
     await until(client, c.id, "in_progress", "weights_torn")
@@ -146,7 +115,7 @@ async def test_every_route_and_every_status_parses_strictly(
     await until(client, e.id, "in_progress", "weights_torn")
     clock.offset = 3600
     seen["expired"] = await until(client, e.id, "expired")
-    set_torn(database_url, False)
+    set_weights_torn(database_url, False)
 
     assert set(seen) == {"validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"}
     for status, batch in seen.items():
@@ -177,7 +146,7 @@ async def test_cancel_during_finalizing_backlog_and_queued_batches(
 ) -> None:
     client, _ = sdk
     http = client._client  # the SDK's own HTTP client, for the miServer routes
-    set_torn(database_url, True)
+    set_weights_torn(database_url, True)
     f = await client.files.create(file=("in.jsonl", rows(5)), purpose="batch")
     first = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     await until(client, first.id, "in_progress", "weights_torn")
@@ -188,15 +157,8 @@ async def test_cancel_during_finalizing_backlog_and_queued_batches(
 
     # a second batch waits its turn behind the first, which holds the lease while it runs
     second = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    release = asyncio.Event()
-    real_finish = runner_module.output.finish
-
-    async def held_finish(*args: Any, **kwargs: Any) -> bool:
-        await release.wait()
-        return await real_finish(*args, **kwargs)
-
-    monkeypatch.setattr(runner_module.output, "finish", held_finish)
-    set_torn(database_url, False)
+    release = hold_finishing(monkeypatch)
+    set_weights_torn(database_url, False)
     await until(client, first.id, "finalizing")
     queued = await until(client, second.id, "in_progress", "queued")
     assert (queued.model_extra or {})["millm"]["waiting_reason"] == "queued"

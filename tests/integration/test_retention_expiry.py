@@ -7,34 +7,22 @@ non-terminal batch needs, and a batch still waiting at ``expires_at`` ends ``exp
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import sqlalchemy as sa
 
-from miserver import ids
 from miserver.app import create_app
 from miserver.settings import Settings
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.time() + self.offset
+from tests.support.inprocess import Clock, installed_clock, set_weights_torn
 
 
 @pytest.fixture
-def clock() -> AsyncIterator[Clock]:
-    c = Clock()
-    ids.set_clock(c)
-    yield c
-    ids.set_clock(None)
+def clock() -> Iterator[Clock]:
+    with installed_clock() as c:
+        yield c
 
 
 @pytest.fixture
@@ -76,14 +64,6 @@ async def poll(api: httpx.AsyncClient, batch_id: str, done: Callable[[dict[str, 
     raise AssertionError(f"batch {batch_id} stuck: {b}")
 
 
-def set_torn(database_url: str, torn: bool) -> None:
-    engine = sa.create_engine(database_url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("DELETE FROM model_state WHERE model_id = 'tiny'"))
-        conn.execute(sa.text("INSERT INTO model_state (model_id, weights_torn, updated_at) VALUES ('tiny', :t, 0)"), {"t": torn})
-    engine.dispose()
-
-
 async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     api: httpx.AsyncClient, clock: Clock, database_url: str
 ) -> None:
@@ -92,7 +72,7 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     default = await upload(api, batch_file(1))
     assert default["expires_at"] == default["created_at"] + 30 * 86400
     # an input file that a waiting batch still needs
-    set_torn(database_url, True)
+    set_weights_torn(database_url, True)
     needed = await upload(api, batch_file(2), **{"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"})
     waiting = (await api.post("/v1/batches", json={"input_file_id": needed["id"], "endpoint": "/v1/chat/completions",
                                                    "completion_window": "168h"})).json()  # fmt: skip
@@ -107,7 +87,7 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     pruned = await api.app.state.miserver.runner.prune()  # type: ignore[attr-defined]
     assert expiring["id"] in pruned and needed["id"] not in pruned and default["id"] not in pruned
 
-    set_torn(database_url, False)
+    set_weights_torn(database_url, False)
     done = await poll(api, waiting["id"], lambda b: b["status"] == "completed")
     assert done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     # finished now: its input file may go
@@ -115,7 +95,7 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
 
 
 async def test_waiting_batch_expires_with_batch_expired_lines(api: httpx.AsyncClient, clock: Clock, database_url: str) -> None:
-    set_torn(database_url, True)
+    set_weights_torn(database_url, True)
     f = await upload(api, batch_file(3))
     batch = (await api.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
                                                  "completion_window": "1h"})).json()  # fmt: skip

@@ -26,7 +26,7 @@ from ..store import batches as store_batches
 from ..store import idempotency
 from ..store import files as store_files
 from ..store.batches import BatchRecord
-from .common import json_body, state, strict_mode
+from .common import json_body, list_object, state, strict_mode
 from .idempotency import idempotency_key, key_in_flight, replay
 
 router = APIRouter()
@@ -159,13 +159,7 @@ async def list_batches(request: Request, limit: int = 20, after: str | None = No
             raise InvalidRequestError(f"Invalid 'after': no batch with id {after!r}.", param="after")
         page, has_more = await store_batches.list_batches(conn, limit=limit, after=after)
     data = [batch_object(b) for b in page]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more and bool(data),
-    }
+    return list_object(data, has_more)
 
 
 async def _get(request: Request, batch_id: str) -> BatchRecord:

@@ -48,6 +48,17 @@ def strict_mode(request: Request) -> bool:
     return request.headers.get("x-millm-strict", "").strip().lower() in {"1", "true", "yes"}
 
 
+def list_object(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """The OpenAI list envelope; ``has_more`` is never true on an empty page."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more and bool(data),
+    }
+
+
 def to_response(result: ServiceResult | StreamResult) -> Response:
     """A service's result as an HTTP response (JSON, or Server-Sent Events for a stream)."""
     if isinstance(result, StreamResult):

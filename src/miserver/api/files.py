@@ -15,7 +15,7 @@ from ..protocol.files import FileDeleted, FileObject
 from ..store import files as store_files
 from ..store import idempotency
 from ..store.files import FileRecord
-from .common import state
+from .common import list_object, state
 from .idempotency import idempotency_key, key_in_flight, replay
 from .upload import receive_upload
 
@@ -136,13 +136,7 @@ async def list_files(
             raise InvalidRequestError(f"Invalid 'after': no file with id {after!r}.", param="after")
         page, has_more = await store_files.list_files(conn, purpose=purpose, limit=limit, order=order, after=after)
     data = [file_object(r) for r in page]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more and bool(data),
-    }
+    return list_object(data, has_more)
 
 
 async def _get(request: Request, file_id: str) -> FileRecord:
