@@ -91,6 +91,15 @@ class Settings(BaseSettings):
         description="most tokens of one pack, counted as rows x longest row (padding included); a longer row "
         "runs alone. About 4096 suits a CPU; 16384 an H200",
     )
+    batch_pack_max_padding: float = Field(
+        0.1,
+        validation_alias=_env("BATCH_PACK_MAX_PADDING"),
+        ge=0.0,
+        le=1.0,
+        description="most padding of one pack, as a fraction of its tokens: a row that would widen a pack beyond "
+        "it starts the next pack. Padding is wasted work: keep it low on a CPU, raise it (0.3-0.5) on a GPU, "
+        "where wider packs cost little",
+    )
     batch_claim_ttl_seconds: float = Field(
         30.0,
         validation_alias=_env("BATCH_CLAIM_TTL_SECONDS"),

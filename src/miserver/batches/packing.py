@@ -6,8 +6,9 @@ claims a *window* of ``BATCH_PACK_WINDOW_ROWS`` rows instead of a ``BATCH_CHUNK_
 row as its synchronous route does and hands :func:`budget_packs` the token lengths of the packable units (the
 prompts of scoring rows, every embedding input). Because a pack is as wide as its longest row, the planner is
 length-aware: it sorts the window's units by length and cuts packs whose ``rows x longest row`` stays within
-``BATCH_PACK_TOKEN_BUDGET`` (a unit longer than the budget runs alone). Generation rows (``max_tokens`` > 1) run one
-at a time through the synchronous code; probe rows never pack (their service has no many-rows call).
+``BATCH_PACK_TOKEN_BUDGET`` and whose padding stays within ``BATCH_PACK_MAX_PADDING`` of that (a unit longer than the
+budget runs alone). Generation rows (``max_tokens`` > 1) run one at a time through the synchronous code; probe rows
+never pack (their service has no many-rows call).
 
 Rows finish in pack order; each is recorded as soon as it finishes, in its own transaction fenced by the claim token
 (exactly once), and the output file is written in input order whatever the recording order. :func:`fixed_packs` and
@@ -19,9 +20,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 
 from ..errors import APIError
+from ..scheduler import Priority
 from ..services.context import Call, ServiceContext
 from ..services.many import Plan
 from ..services.registry import SERVICES, EndpointService
@@ -45,29 +48,34 @@ def sorted_packs(lengths: Sequence[int], size: int) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-def budget_packs(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Length-aware packs: units sorted by length, each pack grown while ``units x longest unit <= budget``.
+def budget_packs(lengths: Sequence[int], budget: int, max_padding: float = 1.0) -> list[list[int]]:
+    """Length-aware packs: units sorted by length, each pack grown while it stays within ``budget`` tokens
+    (``units x longest unit``) and padding stays at most ``max_padding`` of those tokens.
 
-    Sorting makes the units of a pack of similar length (little padding); the budget bounds the work and memory of a
-    pack (``[units, longest]`` token ids), so short units go in wide packs and long ones in narrow packs. A unit
-    longer than ``budget`` forms a pack by itself. Every index appears in exactly one pack.
+    Sorting puts units of similar length together; the budget bounds the work and memory of a pack (``[units,
+    longest]`` token ids), so short units go in wide packs and long ones in narrow packs; the padding cap closes a
+    pack rather than let a much longer unit widen it. A unit longer than ``budget`` forms a pack by itself. Every
+    index appears in exactly one pack.
     """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     packs: list[list[int]] = []
     current: list[int] = []
+    tokens = 0
     for i in order:
-        if current and (len(current) + 1) * lengths[i] > budget:
+        size = (len(current) + 1) * lengths[i]
+        if current and (size > budget or size - tokens - lengths[i] > max_padding * size):
             packs.append(current)
-            current = []
+            current, tokens = [], 0
         current.append(i)
+        tokens += lengths[i]
     if current:
         packs.append(current)
     return packs
 
 
 def runner_plan(settings: Settings) -> Plan:
-    """The runner's planner: :func:`budget_packs` with ``BATCH_PACK_TOKEN_BUDGET``."""
-    return partial(budget_packs, budget=settings.batch_pack_token_budget)
+    """The runner's planner: :func:`budget_packs` with ``BATCH_PACK_TOKEN_BUDGET`` and ``BATCH_PACK_MAX_PADDING``."""
+    return partial(budget_packs, budget=settings.batch_pack_token_budget, max_padding=settings.batch_pack_max_padding)
 
 
 def packs(batch: BatchRecord) -> bool:
@@ -95,12 +103,22 @@ async def run_window(
 ) -> None:
     """Run a claimed window through ``service.create_many`` and record each row as it finishes.
 
-    ``call`` holds the chunk's slot and its ``should_stop`` (stop, time bound): rows left unrun stay pending and are
-    released by the caller with the claim. Returns early when a record is refused (the claim was taken over).
+    ``call`` holds the chunk's slot and its ``should_stop`` (stop, time bound). Once a row is recorded, an
+    interactive request waiting for the gate also ends the window at the next pack boundary, as it ends a chunk at a
+    row boundary. Rows left unrun stay pending and are released by the caller with the claim. Returns early when a
+    record is refused (the claim was taken over).
     """
     assert service.create_many is not None
+    recorded_rows = 0
+    outer = call.should_stop
+
+    def should_stop() -> bool:
+        if outer is not None and outer():
+            return True
+        return recorded_rows > 0 and ctx.gate.queue_length(Priority.INTERACTIVE) > 0
+
     bodies = [json.loads(r.body) for r in rows]
-    outcomes = service.create_many(ctx, bodies, call, runner_plan(settings))
+    outcomes = service.create_many(ctx, bodies, replace(call, should_stop=should_stop), runner_plan(settings))
     try:
         async for outcome in outcomes:
             row = rows[outcome.index]
@@ -124,6 +142,7 @@ async def run_window(
             if not recorded:
                 log.warning("batch %s line %d: claim lost, result dropped", batch_id, row.line)
                 return
+            recorded_rows += 1
             on_change(batch_id)
     finally:
         await outcomes.aclose()  # type: ignore[attr-defined]

@@ -285,8 +285,9 @@ class BatchRunner:
                 started = time.monotonic()
                 # -- packing (pack: true on a packable endpoint): the window runs in length-aware packs ---------
                 if packing.packs(batch):
-                    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=ready.lease)
-                    call.should_stop = lambda: self._stopping or time.monotonic() - started > self.settings.batch_chunk_seconds
+                    limit = self.settings.batch_chunk_seconds
+                    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=ready.lease,
+                                should_stop=lambda: self._stopping or time.monotonic() - started > limit)  # fmt: skip
                     await packing.run_window(ctx=self.ctx, store=self.store, service=service, batch_id=batch.id,
                                              token=token, rows=claimed, call=call, settings=self.settings,
                                              on_change=self.on_change)  # fmt: skip

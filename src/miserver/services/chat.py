@@ -25,7 +25,7 @@ from ..protocol.chat import (
 from ..protocol.common import ChatTokenLogprob, TopLogprob, Usage, parse_request
 from .common import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
-from .many import Outcome, Plan, RowUnits, run_rows, run_singles
+from .many import Outcome, Plan, RowUnits, run_rows, run_singles, server_error
 
 UNSUPPORTED_FIELDS = (
     "frequency_penalty",
@@ -161,6 +161,9 @@ async def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: 
             p = _prepare(ctx, body, call)
         except APIError as exc:
             yield Outcome(i, exc, False)
+            continue
+        except Exception:
+            yield server_error(i, "checking failed")
             continue
         engine = engine or p.engine
         if p.scoring and p.engine is engine:

@@ -21,7 +21,7 @@ from ..protocol.common import Usage, parse_request
 from ..protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .common import check_context, check_stop, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
-from .many import Outcome, Plan, RowUnits, run_rows, run_singles
+from .many import Outcome, Plan, RowUnits, run_rows, run_singles, server_error
 
 UNSUPPORTED_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
@@ -197,6 +197,9 @@ async def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: 
             p = _prepare(ctx, body, call)
         except APIError as exc:
             yield Outcome(i, exc, False)
+            continue
+        except Exception:
+            yield server_error(i, "checking failed")
             continue
         engine = engine or p.engine
         if p.scoring and p.engine is engine:

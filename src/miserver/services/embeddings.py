@@ -23,7 +23,7 @@ from ..protocol.common import parse_request
 from ..protocol.embeddings import MAX_INPUTS, CreateEmbeddingResponse, Embedding, EmbeddingRequest, EmbeddingUsage
 from .common import check_context
 from .context import Call, ServiceContext, ServiceResult, provenance_headers
-from .many import Outcome, Plan, RowUnits, run_rows
+from .many import Outcome, Plan, RowUnits, run_rows, server_error
 
 
 def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[EmbeddingRequest, Engine]:
@@ -131,6 +131,9 @@ async def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: 
             p = _prepare(ctx, body, call)
         except APIError as exc:
             yield Outcome(i, exc, False)
+            continue
+        except Exception:
+            yield server_error(i, "checking failed")
             continue
         engine = engine or p.engine
         rows.append(RowUnits(i, p.units, partial(_build, p)))

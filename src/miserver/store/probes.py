@@ -75,7 +75,7 @@ async def insert_probe(conn: AsyncConnection, record: ProbeRecord) -> bool:
     }
     dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     stmt = dialect_insert(probes).values(**values).on_conflict_do_nothing(index_elements=[probes.c.name])
-    return (await conn.execute(stmt)).rowcount == 1
+    return (await conn.execute(stmt.returning(probes.c.id))).first() is not None
 
 
 async def get_probe(conn: AsyncConnection, name: str) -> ProbeRecord | None:

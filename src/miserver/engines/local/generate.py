@@ -33,7 +33,7 @@ def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[torch.Tens
     Returns the float32 logits ``[vocab]`` of the last position and the filled KV cache.
     """
     past = DynamicCache(config=model.config)
-    kwargs = {_cache_kwarg(type(model)): past}
+    kwargs = {cache_kwarg(type(model)): past}
     out = model(input_ids=input_ids.unsqueeze(0), use_cache=True, logits_to_keep=1, **kwargs)
     return out.logits[0, -1].float(), past  # the cache is filled in place
 
@@ -41,19 +41,20 @@ def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[torch.Tens
 def decode_step(model: PreTrainedModel, token: int, past: Cache) -> tuple[torch.Tensor, Cache]:
     """Feed one token after ``past``; returns the float32 logits ``[vocab]`` of the next position and the cache."""
     ids = torch.tensor([[token]], dtype=torch.long, device=model.device)
-    out = model(input_ids=ids, use_cache=True, **{_cache_kwarg(type(model)): past})
+    out = model(input_ids=ids, use_cache=True, **{cache_kwarg(type(model)): past})
     return out.logits[0, -1].float(), past
 
 
-_CACHE_KWARG: dict[type, str] = {}
+_CACHE_KWARGS: dict[type, str] = {}
 
 
-def _cache_kwarg(model_type: type) -> str:
-    """``cache`` in recent transformers 5 releases, ``past_key_values`` before (now deprecated)."""
-    if model_type not in _CACHE_KWARG:
+def cache_kwarg(model_type: type) -> str:
+    """The name of ``model_type.forward``'s cache argument: ``cache`` in recent transformers 5 releases,
+    ``past_key_values`` before (now deprecated)."""
+    if model_type not in _CACHE_KWARGS:
         params = inspect.signature(getattr(model_type, "forward")).parameters
-        _CACHE_KWARG[model_type] = "cache" if "cache" in params else "past_key_values"
-    return _CACHE_KWARG[model_type]
+        _CACHE_KWARGS[model_type] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARGS[model_type]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

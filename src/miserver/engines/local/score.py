@@ -4,7 +4,8 @@ A pack is ``[rows, width]`` token ids, each row right-padded to the longest one.
 attends only to positions before it, which are all real, so no padding mask is needed: each row's real positions
 compute what the row alone computes, up to the rounding of a wider matrix product. Each row is read at its own last
 real token, and the LM head runs only at the positions read (the last one, plus every prompt position of a row that
-asks for prompt logprobs). A request alone is a pack of one row, without padding.
+asks for prompt logprobs). A prefix common to every row of a pack runs once. A request alone is a pack of one row,
+without padding.
 
 Everything here is synchronous and runs under ``torch.inference_mode`` on the engine thread.
 """
@@ -17,10 +18,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from miserver.engines.base import ScoreRequest, ScoreResult, TokenLogprob
-from miserver.engines.local.generate import collect_result, generate_sequence, token_text_cache
+from miserver.engines.local.generate import cache_kwarg, collect_result, generate_sequence, token_text_cache
 
 #: Prompt positions whose logits are materialised at once for prompt logprobs (bounds memory: chunk x vocab floats).
 PROMPT_CHUNK = 256
+#: A pack whose rows share at least this many leading tokens computes them once (see :func:`pack_hidden`).
+MIN_SHARED_PREFIX = 16
 
 
 def padded_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
@@ -32,16 +35,43 @@ def padded_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device)
     return ids.to(device)
 
 
+def shared_prefix(rows: Sequence[Sequence[int]]) -> int:
+    """Length of the token prefix common to every row, kept at least one token short of the shortest row
+    (0 for fewer than two rows)."""
+    if len(rows) < 2:
+        return 0
+    first, limit = rows[0], min(len(r) for r in rows) - 1
+    k = 0
+    while k < limit and all(r[k] == first[k] for r in rows):
+        k += 1
+    return k
+
+
 def pack_hidden(model: PreTrainedModel, rows: Sequence[Sequence[int]], pad_id: int, layer: int = -1) -> torch.Tensor:
     """Hidden states ``[len(rows), longest, hidden]`` of a right-padded pack at ``layer``.
 
     ``layer`` -1 is the decoder's final, normed output (what the LM head reads); otherwise it indexes
     transformers' ``hidden_states`` (0 = token embeddings). Positions past a row's length are padding: ignore them.
+    When the rows share a prefix of at least :data:`MIN_SHARED_PREFIX` tokens (the same instruction before every
+    row, typically) the prefix runs once and its key/value cache is shared by the rows' remaining tokens: the same
+    attention, without computing the prefix once per row.
     """
-    ids = padded_ids(rows, pad_id, model.device)
     want_all = layer != -1
-    out = model.base_model(input_ids=ids, use_cache=False, output_hidden_states=want_all)
-    return out.hidden_states[layer] if want_all else out.last_hidden_state
+    base = model.base_model
+    common = shared_prefix(rows)
+    if common < MIN_SHARED_PREFIX:
+        out = base(input_ids=padded_ids(rows, pad_id, model.device), use_cache=False, output_hidden_states=want_all)
+        return out.hidden_states[layer] if want_all else out.last_hidden_state
+    cache = DynamicCache(config=model.config)
+    kwarg = cache_kwarg(type(base))
+    prefix_ids = torch.tensor([list(rows[0][:common])], dtype=torch.long, device=model.device)
+    head = base(input_ids=prefix_ids, use_cache=True, output_hidden_states=want_all, **{kwarg: cache})
+    cache.batch_repeat_interleave(len(rows))
+    rest = padded_ids([r[common:] for r in rows], pad_id, model.device)
+    tail = base(input_ids=rest, use_cache=True, output_hidden_states=want_all, **{kwarg: cache})
+    first = head.hidden_states[layer] if want_all else head.last_hidden_state  # [1, common, hidden]
+    second = tail.hidden_states[layer] if want_all else tail.last_hidden_state  # [rows, longest - common, hidden]
+    return torch.cat([first.expand(len(rows), -1, -1), second], dim=1)
 
 
 def score_pack(

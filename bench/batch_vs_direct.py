@@ -1,0 +1,237 @@
+"""Benchmark: the Batch API path against a direct loop over the same service function, on the real model.
+
+Both paths run the same chat bodies (AG News topic rows, 50 per label by default, the selection of
+``tests/e2e/test_real_model.py``) on the embedded SmolLM2-135M-Instruct, one after the other so they never compete
+for the CPU:
+
+1. batch: a ``miserver serve`` process on a fresh SQLite database in a temporary directory; upload, create, poll
+   every 0.2 s; rows/s from the moment ``batches.create`` returns to the poll that sees ``completed``
+   (``time.monotonic``, client side). The server is stopped before the next phase.
+2. direct: in this process, ``LocalEngine.start(model=...)`` and ``miserver.services.chat.create`` with a
+   ``ServiceContext(engine, AdmissionGate(1))``, in a loop over the same bodies.
+
+Prints rows/s of each and the ratio batch/direct, and writes them with the date to
+``bench/results/batch_vs_direct.json`` (git-ignored). Example::
+
+    .venv/bin/python bench/batch_vs_direct.py --rows 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("MISERVER_SHARED_DATA", ROOT / ".." / "shared" / "data"))
+RESULTS = ROOT / "bench" / "results" / "batch_vs_direct.json"
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1"
+LABELS = ("World", "Sports", "Business", "Sci/Tech")
+POLL_SECONDS = 0.2
+
+# Same prompt as tests/e2e/test_real_model.py and examples/topics.jsonl.
+SYSTEM = (
+    "Classify the news by topic. Reply with one word:\n"
+    "World: politics, governments, wars, elections, diplomacy, disasters.\n"
+    "Sports: games, teams, athletes, matches.\n"
+    "Business: companies, markets, prices, jobs, the economy.\n"
+    "Sci/Tech: science, research, computers, the internet, space."
+)
+SHOTS = (
+    ("Striker scores twice as club wins the league. The forward's late goals sealed the title on the last day.", "Sports"),
+    ("Bank shares climb after strong profits. The lender earned more than expected as loan demand rose.", "Business"),
+    ("New smartphone chip makes apps run faster. The processor uses less power and speeds up games.", "Sci/Tech"),
+    ("Rebels attack capital as peace talks stall. The government declared an emergency after fighting spread.", "World"),
+)
+MAX_TOKENS = 4
+
+
+def load_rows(n: int) -> list[dict[str, str]]:
+    """The first ``ceil(n / 4)`` rows of each label in file order, cut to ``n`` (file order kept)."""
+    per_label = -(-n // len(LABELS))
+    taken = dict.fromkeys(LABELS, 0)
+    rows = []
+    with (SHARED_DATA / "ag_news_samples.csv").open(newline="", encoding="utf-8") as fh:
+        for row in csv.DictReader(fh):
+            if taken[row["label"]] < per_label:
+                taken[row["label"]] += 1
+                rows.append(row)
+    return rows[:n]
+
+
+def body_for(row: dict[str, str]) -> dict[str, Any]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for shot, label in SHOTS:
+        messages += [{"role": "user", "content": shot}, {"role": "assistant", "content": label}]
+    messages.append({"role": "user", "content": f"{row['title']}. {row['description']}"})
+    return {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def answers_of(output: str) -> list[str]:
+    lines = [json.loads(x) for x in output.splitlines() if x.strip()]
+    return [line["response"]["body"]["choices"][0]["message"]["content"] for line in lines]
+
+
+def run_batch(bodies: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    """Phase 1: a server process on a fresh SQLite database; the batch timed client side."""
+    with tempfile.TemporaryDirectory(prefix="miserver-bench-") as tmp:
+        port = free_port()
+        data_dir = Path(tmp) / "var"
+        data_dir.mkdir()
+        log_path = Path(tmp) / "server.log"
+        cmd = [sys.executable, "-m", "miserver.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
+               "--model", model, "--log-level", "warning"]  # fmt: skip
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 600
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
+                try:
+                    if httpx.get(base + "/api/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("server not ready after 600 s")
+                time.sleep(0.2)
+            client = openai.OpenAI(base_url=base + "/v1", api_key="bench", _strict_response_validation=True)
+            data = "".join(
+                json.dumps({"custom_id": f"ag-{i:03d}", "method": "POST", "url": "/v1/chat/completions", "body": b}) + "\n"
+                for i, b in enumerate(bodies)
+            ).encode()
+            uploaded = client.files.create(file=("bench.jsonl", data), purpose="batch")
+            batch = client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            t0 = time.monotonic()
+            while True:
+                b = client.batches.retrieve(batch.id)
+                if b.status in ("completed", "failed", "expired", "cancelled"):
+                    t1 = time.monotonic()
+                    break
+                time.sleep(POLL_SECONDS)
+            if b.status != "completed" or b.request_counts is None or b.request_counts.completed != len(bodies):
+                raise RuntimeError(f"batch ended {b.status} with {b.request_counts}: {b.errors}")
+            assert b.output_file_id is not None
+            answers = answers_of(client.files.content(b.output_file_id).text)
+            seconds = t1 - t0
+            return {
+                "seconds": round(seconds, 3),
+                "rows_per_s": round(len(bodies) / seconds, 3),
+                "server_seconds": (b.completed_at or 0) - b.created_at,
+                "in_progress_seconds": (b.completed_at or 0) - (b.in_progress_at or b.created_at),
+                "answers": answers,
+            }
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def run_direct(bodies: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    """Phase 2: the same service function in a loop, in this process (no server running)."""
+    from miserver.engines.local.engine import LocalEngine
+    from miserver.scheduler import AdmissionGate
+    from miserver.services import chat
+    from miserver.services.context import Call, ServiceContext, ServiceResult
+    from miserver.settings import Settings
+
+    engine = await LocalEngine.start(model=model, cache_dir=Settings().cache_dir)
+    try:
+        ctx = ServiceContext(engine=engine, gate=AdmissionGate(1))
+        answers = []
+        t0 = time.monotonic()
+        for body in bodies:
+            result = await chat.create(ctx, body, Call())
+            assert isinstance(result, ServiceResult) and result.status_code == 200
+            answers.append(result.body["choices"][0]["message"]["content"])
+        seconds = time.monotonic() - t0
+    finally:
+        await engine.close()
+    return {"seconds": round(seconds, 3), "rows_per_s": round(len(bodies) / seconds, 3), "answers": answers}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=200, help="AG News rows, label-balanced (default: %(default)s)")
+    parser.add_argument("--model", default=MODEL, help="model to serve and load (default: %(default)s)")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file (default: %(default)s)")
+    args = parser.parse_args()
+
+    rows = load_rows(args.rows)
+    bodies = [body_for(r) for r in rows]
+    if args.model != MODEL:
+        for b in bodies:
+            b["model"] = args.model
+    load_before = os.getloadavg()
+    print(f"{len(bodies)} rows, model {args.model}; load average {load_before[0]:.2f}")
+
+    print("batch path: server process, SQLite, upload + create + poll ...", flush=True)
+    batch = run_batch(bodies, args.model)
+    print(f"  batch:  {batch['rows_per_s']:.2f} rows/s ({batch['seconds']:.1f} s)", flush=True)
+
+    print("direct path: LocalEngine + services.chat.create in a loop ...", flush=True)
+    direct = asyncio.run(run_direct(bodies, args.model))
+    print(f"  direct: {direct['rows_per_s']:.2f} rows/s ({direct['seconds']:.1f} s)")
+
+    same = sum(a == b for a, b in zip(batch.pop("answers"), direct.pop("answers"), strict=True))
+    ratio = batch["rows_per_s"] / direct["rows_per_s"]
+    print(f"  ratio batch/direct: {ratio:.3f}; identical answers: {same}/{len(bodies)}")
+
+    import torch
+
+    result = {
+        "benchmark": "batch_vs_direct",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": args.model,
+        "rows": len(bodies),
+        "max_tokens": MAX_TOKENS,
+        "poll_seconds": POLL_SECONDS,
+        "batch": batch,
+        "direct": direct,
+        "ratio_batch_over_direct": round(ratio, 4),
+        "identical_answers": same,
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "load_average_at_start": [round(x, 2) for x in load_before],
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        },
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""miServer demo: label 64 news items by topic through the durable Batch API on the real embedded model.
+
+Run by ``make demo`` (``.venv/bin/python examples/demo.py``). It starts ``miserver serve`` on the embedded defaults
+(SmolLM2-135M-Instruct, SQLite under ``./var/demo``) on a free port, waits for ``/api/health``, then with the official
+``openai`` SDK uploads ``examples/topics.jsonl``, creates a batch, shows a progress bar while polling, downloads the
+output and error files to ``./var/demo/`` and prints a summary with the accuracy against
+``examples/topics.gold.jsonl``. The server is stopped (SIGTERM) at the end, on Ctrl-C and on errors.
+
+Examples::
+
+    .venv/bin/python examples/demo.py
+    .venv/bin/python examples/demo.py --url http://127.0.0.1:8000      # use a running server
+    .venv/bin/python examples/demo.py --keep-server                    # leave the server running afterwards
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from tqdm import tqdm
+
+EXAMPLES = Path(__file__).resolve().parent
+DEFAULT_INPUT = EXAMPLES / "topics.jsonl"
+LABELS = ("World", "Sports", "Business", "Sci/Tech")
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+# Lower-case keys that name a label, searched for in an answer; the earliest match wins.
+_LABEL_KEYS = (("world", "World"), ("sport", "Sports"), ("business", "Business"), ("sci", "Sci/Tech"), ("tech", "Sci/Tech"))
+
+
+def parse_label(answer: str) -> str | None:
+    """The first of the four labels that ``answer`` mentions (case-insensitive; 'sci' or 'tech' mean Sci/Tech)."""
+    text = answer.lower()
+    hits = [(i, label) for key, label in _LABEL_KEYS if (i := text.find(key)) >= 0]
+    return min(hits)[1] if hits else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``python -m miserver.cli serve`` as a child process, on the embedded defaults."""
+
+    def __init__(self, data_dir: Path, port: int) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = data_dir / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "miserver.cli", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)]
+        print(f"starting: {' '.join(cmd[1:])}  (log: {self.log_path})")
+        with self.log_path.open("ab") as log:
+            # Own session: a Ctrl-C in the terminal reaches the demo only, which then cancels its batch and stops
+            # the server itself.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        started = time.monotonic()
+        deadline = started + timeout
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with status {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if http.get(self.url + "/api/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+                time.sleep(0.2)
+        print(f"server ready at {self.url} after {time.monotonic() - started:.1f} s")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        print(f"server stopped (exit status {self.proc.returncode})")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def gold_path_for(input_path: Path) -> Path:
+    """``topics.jsonl`` -> ``topics.gold.jsonl`` next to it."""
+    return input_path.with_name(input_path.name.removesuffix(".jsonl") + ".gold.jsonl")
+
+
+def poll(client: openai.OpenAI, batch_id: str, interval: float) -> tuple[Any, float]:
+    """Poll until the batch is terminal with a progress bar; returns the batch and the monotonic time it was seen."""
+    bar = tqdm(total=None, unit="row", desc="batch", dynamic_ncols=True)
+    try:
+        while True:
+            batch = client.batches.retrieve(batch_id)
+            seen = time.monotonic()
+            counts = batch.request_counts
+            if counts is not None and counts.total:
+                bar.total = counts.total
+                bar.n = counts.completed + counts.failed
+            bar.set_postfix_str(f"{batch.status} failed={counts.failed if counts else 0}")
+            bar.refresh()
+            if batch.status in TERMINAL:
+                return batch, seen
+            time.sleep(interval)
+    finally:
+        bar.close()
+
+
+def user_text(line: dict[str, Any]) -> str:
+    return str(line["body"]["messages"][-1]["content"])
+
+
+def summarize(
+    batch: Any, wall: float, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], gold: dict[str, str]
+) -> None:
+    counts = batch.request_counts
+    total = counts.total if counts else len(inputs)
+    print()
+    print(f"batch        {batch.id}: {batch.status}")
+    print(f"rows         {total}")
+    print(f"completed    {counts.completed if counts else 0}")
+    print(f"failed       {counts.failed if counts else 0}")
+    print(f"wall time    {wall:.1f} s (batch created -> status seen {batch.status})")
+    if batch.completed_at and batch.created_at:
+        print(f"             {batch.completed_at - batch.created_at} s by the server's created_at/completed_at")
+    print(f"rows/s       {total / wall:.2f}" if wall > 0 else "rows/s       -")
+    if batch.usage is not None:
+        print(f"tokens       {batch.usage.input_tokens} in, {batch.usage.output_tokens} out")
+
+    texts = {line["custom_id"]: user_text(line) for line in inputs}
+    scored = []
+    for out in outputs:
+        body = (out.get("response") or {}).get("body") or {}
+        answer = body["choices"][0]["message"]["content"] if body.get("choices") else ""
+        cid = out["custom_id"]
+        scored.append((cid, answer, parse_label(answer), gold.get(cid)))
+    with_gold = [s for s in scored if s[3] is not None]
+    if with_gold:
+        right = sum(1 for s in with_gold if s[2] == s[3])
+        print(f"accuracy     {right / len(with_gold):.1%} ({right}/{len(with_gold)} against the gold labels; chance 25%)")
+        for label in LABELS:
+            of = [s for s in with_gold if s[3] == label]
+            if of:
+                print(f"  {label:<9}  {sum(1 for s in of if s[2] == label)}/{len(of)}")
+        unparsed = sum(1 for s in with_gold if s[2] is None)
+        if unparsed:
+            print(f"  no label in {unparsed} answers")
+    print("\nexamples:")
+    step = max(1, len(scored) // 6)
+    for cid, answer, predicted, expected in scored[::step][:6]:
+        mark = "ok " if predicted == expected else "-- "
+        text = texts.get(cid, "").replace("\n", " ")
+        print(f"  {mark}{cid}  gold={expected}  answer={answer.strip()!r}\n      {text[:90]}")
+
+
+def run(args: argparse.Namespace) -> int:
+    input_path = Path(args.input).resolve()
+    gold_file = Path(args.gold).resolve() if args.gold else gold_path_for(input_path)
+    out_dir = Path(args.data_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    inputs = read_jsonl(input_path)
+    gold = {g["custom_id"]: g["label"] for g in read_jsonl(gold_file)} if gold_file.exists() else {}
+
+    server: Server | None = None
+    if args.url:
+        base_url = args.url.rstrip("/")
+    else:
+        server = Server(out_dir, args.port or free_port())
+    batch_id: str | None = None
+    client: openai.OpenAI | None = None
+    try:
+        if server is not None:
+            server.start(args.start_timeout)
+            base_url = server.url
+        client = openai.OpenAI(
+            base_url=base_url + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "miserver"),
+            _strict_response_validation=True, max_retries=2,
+        )  # fmt: skip
+        print(f"models: {', '.join(m.id for m in client.models.list())}")
+        with input_path.open("rb") as fh:
+            uploaded = client.files.create(file=(input_path.name, fh), purpose="batch")
+        print(f"uploaded {input_path.name}: {uploaded.id} ({uploaded.bytes} bytes, {len(inputs)} requests)")
+        started = time.monotonic()
+        batch = client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"source": "examples/demo.py"},
+        )
+        batch_id = batch.id
+        print(f"created {batch.id} ({batch.status})")
+        batch, seen = poll(client, batch.id, args.poll)
+        batch_id = None  # terminal: nothing to cancel any more
+        wall = seen - started
+
+        outputs: list[dict[str, Any]] = []
+        for kind, file_id in (("output", batch.output_file_id), ("error", batch.error_file_id)):
+            if file_id is None:
+                continue
+            data = client.files.content(file_id).content
+            path = out_dir / f"{batch.id}_{kind}.jsonl"
+            path.write_bytes(data)
+            print(f"{kind} file {file_id} -> {path}")
+            if kind == "output":
+                outputs = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+        summarize(batch, wall, inputs, outputs, gold)
+        if batch.errors and batch.errors.data:
+            for err in batch.errors.data[:5]:
+                print(f"  batch error line {err.line}: {err.code}: {err.message}")
+        return 0 if batch.status == "completed" else 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        if client is not None and batch_id is not None:
+            try:
+                client.batches.cancel(batch_id)
+                print(f"cancelled {batch_id}", file=sys.stderr)
+            except openai.OpenAIError as exc:
+                print(f"could not cancel {batch_id}: {exc}", file=sys.stderr)
+        return 130
+    finally:
+        if server is not None:
+            if args.keep_server and server.proc is not None and server.proc.poll() is None:
+                print(f"server left running at {server.url} (pid {server.proc.pid}); stop it with: kill {server.proc.pid}")
+            else:
+                server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="base URL of a running server (default: start one)")
+    parser.add_argument("--input", default=str(DEFAULT_INPUT), help="batch input file (default: %(default)s)")
+    parser.add_argument("--gold", help="gold labels, JSONL {custom_id, label} (default: <input>.gold.jsonl)")
+    parser.add_argument("--data-dir", default="./var/demo", help="server data dir and downloads (default: %(default)s)")
+    parser.add_argument("--port", type=int, help="port for the started server (default: a free one)")
+    parser.add_argument("--keep-server", action="store_true", help="leave the started server running at the end")
+    parser.add_argument("--poll", type=float, default=0.2, help="seconds between polls (default: %(default)s)")
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /api/health")
+    args = parser.parse_args(argv)
+
+    # SIGTERM to the demo: unwind like Ctrl-C so the server is stopped too.
+    def on_term(_sig: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
