@@ -69,7 +69,7 @@ def topic_messages(text: str) -> list[dict[str, str]]:
 def ag_news_rows(per_label: int = PER_LABEL) -> list[dict[str, str]]:
     """The first ``per_label`` rows of each label, in file order (deterministic and balanced)."""
     if not AG_NEWS.exists():
-        pytest.skip(f"shared data set missing: {AG_NEWS}")
+        pytest.fail(f"shared data set missing: {AG_NEWS} (set MISERVER_SHARED_DATA to the shared/data folder)")
     taken = dict.fromkeys(LABELS, 0)
     rows = []
     with AG_NEWS.open(newline="", encoding="utf-8") as fh:
