@@ -43,7 +43,7 @@ def waiting(client, batch_id: str, reason: str):  # type: ignore[no-untyped-def]
         b = client.batches.retrieve(batch_id)
         return b.status == "in_progress" and b.model_extra["millm"]["waiting_reason"] == reason and b
 
-    return wait_for(check, timeout=60)
+    return wait_for(check, timeout=180)
 
 
 def test_lease_routes(server: ServerProcess) -> None:
