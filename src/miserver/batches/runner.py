@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
-from ..errors import APIError, ServerError
+from ..errors import APIError, EngineUnavailableError, ServerError
 from ..ids import now, now_ms
 from ..scheduler import Priority
 from ..services.context import Call, ServiceContext, ServiceResult
@@ -281,6 +281,10 @@ class BatchRunner:
         service = SERVICES[batch.endpoint]
         try:
             async with self.ctx.gate.hold(Priority.BATCH) as slot, self._heartbeat(batch.id, token):
+                if not self._model_resident(batch):
+                    # the model was unloaded or swapped while this chunk waited for the slot: run nothing
+                    await self._set_waiting(batch, "model_not_resident", None)
+                    return True
                 await self._set_waiting(batch, None, ready.holder)
                 started = time.monotonic()
                 # -- packing (pack: true on a packable endpoint): the window runs in length-aware packs ---------
@@ -299,7 +303,10 @@ class BatchRunner:
                     if i > 0 and self.ctx.gate.queue_length(Priority.INTERACTIVE):
                         break  # someone is waiting: end the chunk at this row boundary (rest is released below)
                     call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=ready.lease)
-                    ok, line, usage = await self._execute(service, row, call)
+                    try:
+                        ok, line, usage = await self._execute(service, row, call)
+                    except EngineUnavailableError:
+                        break  # not the row's fault: it stays pending and runs when the model is back
                     async with self.store.tx() as conn:
                         recorded = await store_rows.record(
                             conn,
@@ -319,6 +326,10 @@ class BatchRunner:
             async with self.store.tx() as conn:
                 await store_rows.release_claim(conn, batch_id=batch.id, token=token)
         return True
+
+    def _model_resident(self, batch: BatchRecord) -> bool:
+        engine = self.ctx.engine
+        return engine is not None and not self.ctx.loading and engine.info.model_id == batch.model
 
     @contextlib.asynccontextmanager
     async def _heartbeat(self, batch_id: str, token: str) -> AsyncIterator[None]:
@@ -348,6 +359,8 @@ class BatchRunner:
             result = await service.create(self.ctx, body, call)
             assert isinstance(result, ServiceResult)
             return True, output.success_line(row.custom_id, result), (result.prompt_tokens, result.completion_tokens)
+        except EngineUnavailableError:
+            raise
         except APIError as exc:
             return False, output.failure_line(row.custom_id, exc), (0, 0)
         except Exception:
