@@ -111,7 +111,7 @@ async def packed(service: Any, ctx: ServiceContext, bodies: Sequence[Any], plan:
     call = Call(strict=True, priority=Priority.BATCH)
     results: list[Any] = [None] * len(bodies)
     async for outcome in service.create_many(ctx, list(bodies), call, plan):
-        assert isinstance(outcome.result, ServiceResult) and outcome.packed, outcome
+        assert isinstance(outcome.result, ServiceResult), outcome
         results[outcome.index] = outcome.result
     return results
 

@@ -114,16 +114,20 @@ def gold_path_for(input_path: Path) -> Path:
 def poll(client: openai.OpenAI, batch_id: str, interval: float) -> tuple[Any, float]:
     """Poll until the batch is terminal with a progress bar; returns the batch and the monotonic time it was seen."""
     bar = tqdm(total=None, unit="row", desc="batch", dynamic_ncols=True)
+    shown: tuple[Any, ...] = ()
     try:
         while True:
             batch = client.batches.retrieve(batch_id)
             seen = time.monotonic()
             counts = batch.request_counts
-            if counts is not None and counts.total:
-                bar.total = counts.total
-                bar.n = counts.completed + counts.failed
-            bar.set_postfix_str(f"{batch.status} failed={counts.failed if counts else 0}")
-            bar.refresh()
+            state = (batch.status, counts.total, counts.completed, counts.failed) if counts else (batch.status,)
+            if state != shown:  # redraw on change only (tqdm also ticks the rate on its own)
+                shown = state
+                if counts is not None and counts.total:
+                    bar.total = counts.total
+                    bar.n = counts.completed + counts.failed
+                bar.set_postfix_str(f"{batch.status} failed={counts.failed if counts else 0}", refresh=False)
+                bar.refresh()
             if batch.status in TERMINAL:
                 return batch, seen
             time.sleep(interval)

@@ -9,14 +9,28 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openai
+import pytest
 
 from tests.support.batches import api_error, error_of, jsonl, line, read_lines, submit, wait_terminal
 from tests.support.server import ServerProcess, tiny_server_process
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir: Path, module_database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The tiny model on each database, with no padding cap: every scoring row or input of a batch window shares
+    one pack whatever its length, so ``millm.packed`` is known in advance."""
+    root = tmp_path_factory.mktemp("server")
+    env = {"BATCH_PACK_MAX_PADDING": "1"}
+    with tiny_server_process(tiny_model_dir, root, database_url=module_database_url, env=env) as started:
+        yield started
+
 
 TEXTS = ["hello there", "The sea was calm and the sky was grey over the harbour at dawn.", "ok", "Why is the sky blue?"]
 TOL = 1e-4  # packed against single, float32
@@ -60,18 +74,18 @@ def run_batch(client: openai.OpenAI, endpoint: str, bodies: list[dict[str, Any]]
     return out, err
 
 
-def test_embeddings_sync_float_base64_and_errors(module_server: ServerProcess) -> None:
-    client = module_server.client()
+def test_embeddings_sync_float_base64_and_errors(server: ServerProcess) -> None:
+    client = server.client()
     floats = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="float")
     assert floats.object == "list" and floats.model == "tiny" and [d.index for d in floats.data] == [0, 1, 2, 3]
     assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0
     for d in floats.data:
         assert d.object == "embedding" and abs(float(np.linalg.norm(d.embedding)) - 1.0) < 1e-5
-    raw = module_server.http().post("/v1/embeddings", json={"model": "tiny", "input": TEXTS, "encoding_format": "base64"})
+    raw = server.http().post("/v1/embeddings", json={"model": "tiny", "input": TEXTS, "encoding_format": "base64"})
     assert raw.status_code == 200 and raw.headers["x-millm-model"] == "tiny"
     for d, f in zip(raw.json()["data"], floats.data):
         assert np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist() == f.embedding
-    lenient = openai.OpenAI(base_url=module_server.base_url + "/v1", api_key="test", max_retries=0)
+    lenient = openai.OpenAI(base_url=server.base_url + "/v1", api_key="test", max_retries=0)
     assert [d.embedding for d in lenient.embeddings.create(model="tiny", input=TEXTS).data] == [
         d.embedding for d in floats.data
     ], "the SDK's default (base64) decodes to the float result"
@@ -88,9 +102,9 @@ def test_embeddings_sync_float_base64_and_errors(module_server: ServerProcess) -
         assert (error_of(exc)["param"], error_of(exc)["code"]) == (param, code)
 
 
-def test_echo_prompt_logprobs_sync(module_server: ServerProcess) -> None:
+def test_echo_prompt_logprobs_sync(server: ServerProcess) -> None:
     body = {"model": "tiny", "prompt": TEXTS[1], "max_tokens": 0, "echo": True, "logprobs": 2}
-    r = module_server.http().post("/v1/completions", json=body)
+    r = server.http().post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     lp = choice["logprobs"]
@@ -100,9 +114,9 @@ def test_echo_prompt_logprobs_sync(module_server: ServerProcess) -> None:
     assert r.json()["usage"] == {"prompt_tokens": len(lp["tokens"]), "completion_tokens": 0, "total_tokens": len(lp["tokens"])}
 
 
-def test_scoring_rows_pack_false_is_the_sync_result_and_pack_true_agrees(module_server: ServerProcess) -> None:
-    client = module_server.client()
-    http = module_server.http()
+def test_scoring_rows_pack_false_is_the_sync_result_and_pack_true_agrees(server: ServerProcess) -> None:
+    client = server.client()
+    http = server.http()
     bodies = [scoring_body(t) for t in TEXTS] + [scoring_body("write a line", max_tokens=4), scoring_body(LONG)]
     sync = [http.post("/v1/chat/completions", json=b) for b in bodies]
     out, err = run_batch(client, "/v1/chat/completions", bodies, pack=False)
@@ -124,9 +138,9 @@ def test_scoring_rows_pack_false_is_the_sync_result_and_pack_true_agrees(module_
     assert set(err) == {"r5"} and err["r5"]["response"]["body"] == sync[5].json(), "the over-long row fails alone"
 
 
-def test_completion_scoring_rows_in_packs(module_server: ServerProcess) -> None:
-    client = module_server.client()
-    http = module_server.http()
+def test_completion_scoring_rows_in_packs(server: ServerProcess) -> None:
+    client = server.client()
+    http = server.http()
     bodies = [{"model": "tiny", "prompt": [t, "and " + t], "max_tokens": 0, "echo": True, "logprobs": 1} for t in TEXTS]
     bodies.append({"model": "tiny", "prompt": TEXTS[0], "max_tokens": 1, "logprobs": 2, "seed": 4})
     out, err = run_batch(client, "/v1/completions", bodies, pack=True)
@@ -139,9 +153,9 @@ def test_completion_scoring_rows_in_packs(module_server: ServerProcess) -> None:
     assert first["token_logprobs"][0] is None and first["tokens"][0] == "and"
 
 
-def test_embedding_rows_pack_false_equal_sync_and_pack_true_agrees(module_server: ServerProcess) -> None:
-    client = module_server.client()
-    http = module_server.http()
+def test_embedding_rows_pack_false_equal_sync_and_pack_true_agrees(server: ServerProcess) -> None:
+    client = server.client()
+    http = server.http()
     bodies: list[dict[str, Any]] = [
         {"model": "tiny", "input": TEXTS, "encoding_format": "float"},
         {"model": "tiny", "input": TEXTS[1], "encoding_format": "float", "pooling": "last"},
@@ -166,9 +180,9 @@ def test_embedding_rows_pack_false_equal_sync_and_pack_true_agrees(module_server
     assert cosine > 1 - 1e-6
 
 
-def test_probes_create_score_sync_and_in_a_batch(module_server: ServerProcess) -> None:
-    http = module_server.http()
-    client = module_server.client()
+def test_probes_create_score_sync_and_in_a_batch(server: ServerProcess) -> None:
+    http = server.http()
+    client = server.client()
     hidden = http.post("/v1/embeddings", json={"model": "tiny", "input": "x", "encoding_format": "float"}).json()
     width = len(hidden["data"][0]["embedding"])
     weights = [((-1) ** i) * 0.1 for i in range(width)]

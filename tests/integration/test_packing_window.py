@@ -27,6 +27,7 @@ from miserver.store import files as sf
 from miserver.store import rows as sr
 
 TEXTS = ["hi", "tell me about the sea and the ships on it", "why", "what is the capital of France?", "ok then"]
+SETTINGS = Settings(batch_pack_max_padding=1.0)  # rows of any length share a pack: every scoring row packs
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ async def claimed_batch(store: Store, bodies: list[dict[str, Any]], token: str) 
 
 async def window(ctx: ServiceContext, store: Store, rows: list[sr.ClaimedRow], call: Call, token: str = "t1") -> None:
     await packing.run_window(ctx=ctx, store=store, service=SERVICES["/v1/chat/completions"], batch_id="batch_1",
-                             token=token, rows=rows, call=call, settings=Settings(), on_change=lambda _id: None)  # fmt: skip
+                             token=token, rows=rows, call=call, settings=SETTINGS, on_change=lambda _id: None)  # fmt: skip
 
 
 async def results(store: Store) -> dict[str, dict[str, Any]]:

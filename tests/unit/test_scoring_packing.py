@@ -330,6 +330,7 @@ async def test_many_rows_stop_between_packs_and_survive_a_failing_pack(
     monkeypatch.setattr(engine, "score_many", counting)
     stopped = await many(chat, ctx, bodies, one_per_pack, call)
     assert len(stopped) == 2 and packs_run == [1, 1]
+    assert not any(o.packed for o in stopped.values()), "a pack of one is the row alone: packed false"
 
     async def broken(requests: Any) -> Any:  # a wide pack runs out of memory; one row alone fits
         if len(requests) > 1:

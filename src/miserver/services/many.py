@@ -31,7 +31,9 @@ Plan = Callable[[Sequence[int]], list[list[int]]]
 
 @dataclass(frozen=True)
 class Outcome:
-    """One row's answer: ``index`` is its position among the bodies given; ``packed`` whether it ran in a pack."""
+    """One row's answer: ``index`` is its position among the bodies given; ``packed`` whether any of its units ran
+    in a pack with other units (a row whose units all ran alone, in packs of one, is exactly the synchronous
+    result and says ``packed: false``)."""
 
     index: int
     result: ServiceResult | APIError
@@ -81,12 +83,12 @@ async def run_rows(
     check_partition(packs, len(flat))
     results: list[list[Any]] = [[None] * len(row.units) for row in rows]
     left = [len(row.units) for row in rows]
-    packed = [True] * len(rows)
+    packed = [False] * len(rows)
     for pack in packs:
         if call.stopped():
             return
         units = [rows[flat[k][0]].units[flat[k][1]] for k in pack]
-        alone = False
+        alone = len(units) == 1  # a pack of one computes exactly what the unit computes alone
         async with ctx.gate.hold(call.priority, call.slot):
             try:
                 answers: list[Any] = list(await run_pack(units))
@@ -104,7 +106,7 @@ async def run_rows(
             r, j = flat[k]
             results[r][j] = answer
             left[r] -= 1
-            packed[r] = packed[r] and not alone
+            packed[r] = packed[r] or not alone
             if left[r] == 0:
                 done.append(r)
         for r in done:
