@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (nohup, &)
     return run(args)
 
 
