@@ -128,9 +128,14 @@ def global_steps(plan: Plan, lengths: Sequence[int]) -> list[Step]:
     return [(pack, one_pack) for pack in plan(lengths)]
 
 
-def window_steps(order: Sequence[int], window: int, plan: Plan) -> list[Step]:
-    """The runner: windows of ``window`` rows in ``order``, each planned by ``plan``."""
-    return [(list(order[i : i + window]), plan) for i in range(0, len(order), window)]
+def window_steps(order: Sequence[int], window: int, plan: Plan, lengths: Sequence[int]) -> list[Step]:
+    """The runner: windows of ``window`` rows taken in ``order``, each planned by ``plan``; each pack is a step (the
+    runner's ``create_many`` over a window runs exactly these packs, one after another)."""
+    steps: list[Step] = []
+    for start in range(0, len(order), window):
+        rows = list(order[start : start + window])
+        steps += [([rows[k] for k in pack], one_pack) for pack in plan([lengths[i] for i in rows])]
+    return steps
 
 
 async def paired(service: Any, ctx: ServiceContext, bodies: Sequence[Any], steps: list[Step]) -> dict[str, Any]:
@@ -184,6 +189,12 @@ def min_cosine(single: Sequence[ServiceResult], packed: Sequence[ServiceResult])
     return worst
 
 
+def save(path: Path, report: dict[str, Any]) -> None:
+    """Write the report so far (after every scheme: a run cut short keeps what it measured)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200)
@@ -194,6 +205,7 @@ async def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="runner token budget (default BATCH_PACK_TOKEN_BUDGET)")
     parser.add_argument("--max-padding", type=float, default=None, help="runner padding cap (BATCH_PACK_MAX_PADDING)")
     parser.add_argument("--skip-embeddings", action="store_true")
+    parser.add_argument("--schemes", default=None, help="comma-separated scheme names to run (default: all)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -233,44 +245,53 @@ async def main() -> None:
         ("fixed16 (file order)", global_steps(partial(fixed_packs, size=16), lengths)),
         ("sorted16", global_steps(partial(sorted_packs, size=16), lengths)),
         ("budget4k (sorted)", global_steps(partial(budget_packs, budget=4096), lengths)),
-        *((f"runner/{name}", window_steps(order, window, plan)) for name, order in orders.items()),
-        ("runner/file, no padding cap", window_steps(orders["file"], window, uncapped)),
+        *((f"runner/{name}", window_steps(order, window, plan, lengths)) for name, order in orders.items()),
+        ("runner/file, no padding cap", window_steps(orders["file"], window, uncapped, lengths)),
     ]
-    report: dict[str, Any] = {"scoring": {}, "embeddings": {}}
+    report: dict[str, Any] = {
+        "setup": {
+            "model": model, "device": str(engine.loaded.device), "dtype": engine.info.dtype, "rows": len(bodies),
+            "mean_tokens": float(np.mean(lengths)), "max_tokens": max(lengths), "window_rows": window,
+            "token_budget": settings.batch_pack_token_budget, "max_padding": settings.batch_pack_max_padding,
+            "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+            "load_average_start": os.getloadavg()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "scoring": {},
+        "embeddings": {},
+    }  # fmt: skip
     reference: list[ServiceResult] | None = None
     print(f"{'scoring':<30}{'single/s':>9}{'packed/s':>9}{'ratio':>7}{'max |dlogprob|':>16}{'top changed':>13}", flush=True)
+    wanted = set(args.schemes.split(",")) if args.schemes else {name for name, _ in schemes}
     for name, steps in schemes:
+        if name not in wanted:
+            continue
         run = await paired(chat, ctx, bodies, steps)
         reference = reference or run["single"]
         agree = agreement(reference, run["packed"])
         entry = {k: run[k] for k in ("single_rows_per_s", "packed_rows_per_s", "ratio")} | agree
         entry["single_repeat_max_logprob_diff"] = agreement(reference, run["single"])["max_logprob_diff"]
         report["scoring"][name] = entry
+        save(args.out, report)
         print(f"{name:<30}{entry['single_rows_per_s']:>9.2f}{entry['packed_rows_per_s']:>9.2f}{entry['ratio']:>7.2f}"
               f"{agree['max_logprob_diff']:>16.2e}{agree['top_token_changed']:>13d}", flush=True)  # fmt: skip
 
     if not args.skip_embeddings:
         print(f"{'embeddings (runner/file)':<30}{'single/s':>9}{'packed/s':>9}{'ratio':>7}{'min cosine':>16}", flush=True)
+        input_lengths = [len(engine.tokenize(t)) for t in texts]
         for pooling in ("mean", "last"):
             rows = [{"model": model, "input": t, "encoding_format": "float", "pooling": pooling} for t in texts]
-            run = await paired(embeddings, ctx, rows, window_steps(orders["file"], window, plan))
+            run = await paired(embeddings, ctx, rows, window_steps(orders["file"], window, plan, input_lengths))
             entry = {k: run[k] for k in ("single_rows_per_s", "packed_rows_per_s", "ratio")}
             entry["min_cosine"] = min_cosine(run["single"], run["packed"])
             report["embeddings"][pooling] = entry
+            save(args.out, report)
             print(f"{pooling:<30}{entry['single_rows_per_s']:>9.2f}{entry['packed_rows_per_s']:>9.2f}"
                   f"{entry['ratio']:>7.2f}{entry['min_cosine']:>16.7f}", flush=True)  # fmt: skip
 
-    report["setup"] = {
-        "model": model, "device": str(engine.loaded.device), "dtype": engine.info.dtype, "rows": len(bodies),
-        "mean_tokens": float(np.mean(lengths)), "max_tokens": max(lengths), "window_rows": window,
-        "token_budget": settings.batch_pack_token_budget, "max_padding": settings.batch_pack_max_padding, "torch_threads": torch.get_num_threads(),
-        "load_average_end": os.getloadavg()[0], "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-        "cpu_count": os.cpu_count(), "torch": torch.__version__,
-        "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    report["setup"]["load_average_end"] = os.getloadavg()[0]
+    save(args.out, report)
     print(f"written {args.out}")
     await engine.close()
 

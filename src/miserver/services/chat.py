@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from ..engines.adapter import generation_request
 from ..engines.base import Engine, GenerationRequest, GenerationResult, ScoreRequest, ScoreResult, TokenLogprob
-from ..errors import APIError, InvalidRequestError
+from ..errors import InvalidRequestError
 from ..ids import now, random_id
 from ..protocol.chat import (
     ChatChoice,
@@ -22,10 +21,10 @@ from ..protocol.chat import (
     ChunkChoice,
     ChunkDelta,
 )
-from ..protocol.common import ChatTokenLogprob, TopLogprob, Usage, parse_request
+from ..protocol.common import ChatTokenLogprob, TopLogprob, Usage, carried_fields, parse_request
 from .common import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
-from .many import Outcome, Plan, RowUnits, run_rows, run_singles, server_error
+from .many import Outcome, Packing, Plan, run_many
 
 UNSUPPORTED_FIELDS = (
     "frequency_penalty",
@@ -51,7 +50,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompleti
     404 ``model_not_found``.
     """
     req = parse_request(ChatCompletionRequest, body, strict=strict)
-    refuse_unsupported({name: getattr(req, name) for name in UNSUPPORTED_FIELDS})
+    refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
     check_stop(req.stop)
     check_stream_options(req.stream, req.stream_options)
     if req.top_logprobs is not None and not req.logprobs:
@@ -150,43 +149,24 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     return _build(p, result)
 
 
-async def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
-    """Many rows at once (a ``pack: true`` batch): scoring rows in the packs ``plan`` makes (``Engine.score_many``),
-    other rows one at a time through :func:`create`. Yields every row once, in no particular order."""
-    rows: list[RowUnits[ScoreRequest, ScoreResult]] = []
-    singles: list[int] = []
-    engine: Engine | None = None
-    for i, body in enumerate(bodies):
-        try:
-            p = _prepare(ctx, body, call)
-        except APIError as exc:
-            yield Outcome(i, exc, False)
-            continue
-        except Exception:
-            yield server_error(i, "checking failed")
-            continue
-        engine = engine or p.engine
-        if p.scoring and p.engine is engine:
-            rows.append(RowUnits(i, [ScoreRequest(p.gen)], partial(_build_scored, p)))
-        else:
-            singles.append(i)
-    if engine is not None and rows:
-        async for outcome in run_rows(
-            ctx,
-            call,
-            rows,
-            run_pack=engine.score_many,
-            run_one=engine.score,
-            length=lambda u: len(u.prompt_ids),
-            plan=plan,
-        ):
-            yield outcome
-    async for outcome in run_singles(create, ctx, bodies, singles, call):
-        yield outcome
-
-
 def _build_scored(p: _Prepared, results: list[ScoreResult]) -> ServiceResult:
     return _build(p, results[0].generation)
+
+
+PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
+    prepare=_prepare,
+    units=lambda p: [ScoreRequest(p.gen)] if p.scoring else None,
+    build=_build_scored,
+    run_pack=lambda engine, units: engine.score_many(units),
+    run_one=lambda engine, unit: engine.score(unit),
+    create=create,
+)
+
+
+def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
+    """Many rows at once (a ``pack: true`` batch): scoring rows in the packs ``plan`` makes (``Engine.score_many``),
+    other rows one at a time through :func:`create`. Yields every row once, in no particular order."""
+    return run_many(PACKING, ctx, bodies, call, plan)
 
 
 async def _stream(

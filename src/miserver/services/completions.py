@@ -10,18 +10,17 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 from ..engines.adapter import generation_request
 from ..engines.base import Engine, GenerationRequest, ScoreRequest, ScoreResult, Sequence_, TokenLogprob
-from ..errors import APIError, InvalidRequestError, UnsupportedParameterError
+from ..errors import InvalidRequestError, UnsupportedParameterError
 from ..ids import now, random_id
-from ..protocol.common import Usage, parse_request
+from ..protocol.common import Usage, carried_fields, parse_request
 from ..protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .common import check_context, check_stop, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
-from .many import Outcome, Plan, RowUnits, run_rows, run_singles, server_error
+from .many import Outcome, Packing, Plan, run_many
 
 UNSUPPORTED_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
@@ -33,7 +32,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRe
     Raises :class:`~miserver.errors.APIError` (400 schema/unknown/unsupported, 404 ``model_not_found``).
     """
     req = parse_request(CompletionRequest, body, strict=strict)
-    refuse_unsupported({name: getattr(req, name) for name in UNSUPPORTED_FIELDS})
+    refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
     if req.suffix:
         raise UnsupportedParameterError("Unsupported parameter: 'suffix' is not supported.", param="suffix")
     check_stop(req.stop)
@@ -186,39 +185,20 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     return _build(p, results)
 
 
-async def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
+PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
+    prepare=_prepare,
+    units=lambda p: [ScoreRequest(g, p.prompt_k) for g in p.gens] if p.scoring else None,
+    build=_build,
+    run_pack=lambda engine, units: engine.score_many(units),
+    run_one=lambda engine, unit: engine.score(unit),
+    create=create,
+)
+
+
+def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
     """Many rows at once (a ``pack: true`` batch): every prompt of every scoring-mode row in the packs ``plan``
     makes (``Engine.score_many``); other rows one at a time through :func:`create`. Yields every row once."""
-    rows: list[RowUnits[ScoreRequest, ScoreResult]] = []
-    singles: list[int] = []
-    engine: Engine | None = None
-    for i, body in enumerate(bodies):
-        try:
-            p = _prepare(ctx, body, call)
-        except APIError as exc:
-            yield Outcome(i, exc, False)
-            continue
-        except Exception:
-            yield server_error(i, "checking failed")
-            continue
-        engine = engine or p.engine
-        if p.scoring and p.engine is engine:
-            rows.append(RowUnits(i, [ScoreRequest(g, p.prompt_k) for g in p.gens], partial(_build, p)))
-        else:
-            singles.append(i)
-    if engine is not None and rows:
-        async for outcome in run_rows(
-            ctx,
-            call,
-            rows,
-            run_pack=engine.score_many,
-            run_one=engine.score,
-            length=lambda u: len(u.prompt_ids),
-            plan=plan,
-        ):
-            yield outcome
-    async for outcome in run_singles(create, ctx, bodies, singles, call):
-        yield outcome
+    return run_many(PACKING, ctx, bodies, call, plan)
 
 
 async def _stream(ctx: ServiceContext, p: _Prepared, call: Call, include_usage: bool) -> AsyncIterator[str]:

@@ -12,18 +12,17 @@ from __future__ import annotations
 import base64
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
 
 from ..engines.base import Engine, PoolRequest, Vector
-from ..errors import APIError, InvalidRequestError, UnsupportedParameterError
+from ..errors import InvalidRequestError, UnsupportedParameterError
 from ..protocol.common import parse_request
 from ..protocol.embeddings import MAX_INPUTS, CreateEmbeddingResponse, Embedding, EmbeddingRequest, EmbeddingUsage
 from .common import check_context
 from .context import Call, ServiceContext, ServiceResult, provenance_headers
-from .many import Outcome, Plan, RowUnits, run_rows, server_error
+from .many import Outcome, Packing, Plan, run_many
 
 
 def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[EmbeddingRequest, Engine]:
@@ -121,30 +120,17 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult:
     return _build(p, vectors)
 
 
-async def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
+PACKING: Packing[_Prepared, PoolRequest, Vector] = Packing(
+    prepare=_prepare,
+    units=lambda p: p.units,
+    build=_build,
+    run_pack=lambda engine, units: engine.embed_many(units),
+    run_one=lambda engine, unit: engine.embed(unit),
+    create=create,
+)
+
+
+def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
     """Many rows at once (a ``pack: true`` batch): every input of every row in the packs ``plan`` makes
     (``Engine.embed_many``). A row refused at checking fails alone. Yields every row once."""
-    rows: list[RowUnits[PoolRequest, Vector]] = []
-    engine: Engine | None = None
-    for i, body in enumerate(bodies):
-        try:
-            p = _prepare(ctx, body, call)
-        except APIError as exc:
-            yield Outcome(i, exc, False)
-            continue
-        except Exception:
-            yield server_error(i, "checking failed")
-            continue
-        engine = engine or p.engine
-        rows.append(RowUnits(i, p.units, partial(_build, p)))
-    if engine is not None and rows:
-        async for outcome in run_rows(
-            ctx,
-            call,
-            rows,
-            run_pack=engine.embed_many,
-            run_one=engine.embed,
-            length=lambda u: len(u.prompt_ids),
-            plan=plan,
-        ):
-            yield outcome
+    return run_many(PACKING, ctx, bodies, call, plan)

@@ -15,15 +15,19 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from functools import partial
+from typing import Any, Generic, Protocol, TypeVar
 
+from ..engines.base import Engine
 from ..errors import APIError, ServerError
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 
 log = logging.getLogger("miserver.services")
 
 U = TypeVar("U")  # a unit: one engine request
+PU = TypeVar("PU", bound="Unit")  # a packable unit: one engine request over its prompt's tokens
 R = TypeVar("R")  # a unit's engine result
+P = TypeVar("P", bound="Prepared")  # a checked row, as the service's own ``_prepare`` makes it
 
 #: A planner: the units' token lengths -> packs, each a list of unit indices; every index in exactly one pack.
 Plan = Callable[[Sequence[int]], list[list[int]]]
@@ -47,6 +51,86 @@ class RowUnits(Generic[U, R]):
     index: int
     units: list[U]
     build: Callable[[list[R]], ServiceResult]
+
+
+class Unit(Protocol):
+    """A packable engine request: packs are planned by the length of ``prompt_ids``."""
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]: ...
+
+
+class Prepared(Protocol):
+    """A checked row: whatever a service's ``_prepare`` returns, as long as it names the engine that serves it."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+
+Create = Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]]
+
+
+@dataclass(frozen=True)
+class Packing(Generic[P, PU, R]):
+    """How a packable service runs many rows (its ``create_many``): the service's own pieces, put together by
+    :func:`run_many`.
+
+    - ``prepare(ctx, body, call)``: the synchronous route's checking and tokenising (raises ``APIError``);
+    - ``units(prepared)``: the row's engine requests when it can pack, ``None`` when it runs alone through ``create``
+      (a generation row, a stream);
+    - ``build(prepared, results)``: the row's response from its units' results, in unit order;
+    - ``run_pack(engine, units)`` / ``run_one(engine, unit)``: the engine calls for a pack and for one unit;
+    - ``create``: the synchronous route's code, for the rows that do not pack.
+    """
+
+    prepare: Callable[[ServiceContext, Any, Call], P]
+    units: Callable[[P], list[PU] | None]
+    build: Callable[[P, list[R]], ServiceResult]
+    run_pack: Callable[[Engine, list[PU]], Awaitable[list[R]]]
+    run_one: Callable[[Engine, PU], Awaitable[R]]
+    create: Create
+
+
+async def run_many(
+    packing: Packing[P, PU, R], ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan
+) -> AsyncIterator[Outcome]:
+    """Many rows at once (a ``pack: true`` batch): each body checked as its synchronous route checks it; the units
+    of the packable rows in the packs ``plan`` makes (:func:`run_rows`); the other rows one at a time through
+    ``packing.create``. A row refused at checking fails alone. Yields every row once, in no particular order.
+
+    Only rows served by one engine pack together (the first row's); a row for another engine runs alone.
+    """
+    rows: list[RowUnits[PU, R]] = []
+    singles: list[int] = []
+    engine: Engine | None = None
+    for i, body in enumerate(bodies):
+        try:
+            p = packing.prepare(ctx, body, call)
+        except APIError as exc:
+            yield Outcome(i, exc, False)
+            continue
+        except Exception:
+            yield server_error(i, "checking failed")
+            continue
+        engine = engine or p.engine
+        units = packing.units(p) if p.engine is engine else None
+        if units is None:
+            singles.append(i)
+        else:
+            rows.append(RowUnits(i, units, partial(packing.build, p)))
+    if engine is not None and rows:
+        async for outcome in run_rows(
+            ctx,
+            call,
+            rows,
+            run_pack=partial(packing.run_pack, engine),
+            run_one=partial(packing.run_one, engine),
+            length=lambda u: len(u.prompt_ids),
+            plan=plan,
+        ):
+            yield outcome
+    async for outcome in run_singles(packing.create, ctx, bodies, singles, call):
+        yield outcome
 
 
 def server_error(index: int, what: str) -> Outcome:
@@ -127,7 +211,7 @@ def _finish(row: RowUnits[Any, Any], results: list[Any], packed: bool) -> Outcom
 
 
 async def run_singles(
-    create: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]],
+    create: Create,
     ctx: ServiceContext,
     bodies: list[Any],
     indexes: list[int],
@@ -142,7 +226,7 @@ async def run_singles(
 
 
 async def run_single(
-    create: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]],
+    create: Create,
     ctx: ServiceContext,
     body: Any,
     call: Call,
