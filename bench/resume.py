@@ -81,6 +81,7 @@ def main() -> None:
     executions = sum(counts.values())
     result = {
         "date": datetime.date.today().isoformat(),
+        "database": url.split(":", 1)[0].split("+", 1)[0],
         "rows": args.rows,
         "kills": args.kills,
         "kill_points": points,
