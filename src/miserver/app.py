@@ -24,7 +24,7 @@ from .api import models as models_api
 from .api import leases as leases_api
 from .api import probes as probes_api
 from .api.common import AppState
-from .errors import APIError, InvalidRequestError, NotFoundError, ServerError
+from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
 from .ids import now, random_id
 from .protocol.common import param_path
 from .events import ProgressEvents
@@ -62,7 +62,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         task = asyncio.create_task(runtime.runner.run(), name="miserver-batch-runner")
         events.start()
         engine = runtime.ctx.engine
-        log.info("miServer ready: model %s, database %s", engine.info.model_id if engine else None, runtime.store.url.split(":")[0])
+        model_id = engine.info.model_id if engine else None
+        log.info("miServer ready: model %s, database %s", model_id, runtime.store.url.split(":")[0])
         try:
             yield
         finally:
@@ -107,7 +108,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     @app.exception_handler(Exception)
     async def server_error(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return _error_response(ServerError("The server had an error while processing your request."))
+        return _error_response(ServerError(SERVER_ERROR_MESSAGE))
 
     for module in (inference_api, models_api, files_api, batches_api, leases_api, health_api):
         app.include_router(module.router)

@@ -2,17 +2,41 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from .settings import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def client_errors(command: F) -> F:
+    """Turn the ``openai`` client's errors into one-line messages (exit status 1) instead of tracebacks."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import openai
+
+        try:
+            return command(*args, **kwargs)
+        except openai.APIStatusError as exc:
+            error = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else {}
+            message = error.get("message") if isinstance(error, dict) else None
+            code = error.get("code") if isinstance(error, dict) else None
+            raise click.ClickException(f"{exc.status_code} {code or ''}: {message or exc.message}".replace(" :", ":"))
+        except openai.APIConnectionError:
+            url = kwargs.get("url", DEFAULT_URL)
+            raise click.ClickException(f"cannot reach a server at {url} (is `miserver serve` running? see --url)")
+
+    return wrapper  # type: ignore[return-value]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -148,10 +172,18 @@ def db_upgrade(database_url: str | None, data_dir: str) -> None:
     Example:
       miserver db upgrade --database-url postgresql+psycopg://postgres@127.0.0.1/test
     """
+    from sqlalchemy.exc import OperationalError
+
     from .store.db import upgrade
 
     settings = Settings(data_dir=Path(data_dir), database_url=database_url)
-    upgrade(settings.resolved_database_url())
+    try:
+        upgrade(settings.resolved_database_url())
+    except OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[-1] if exc.orig is not None else str(exc)
+        raise click.ClickException(
+            f"cannot open the database: {reason} (a PostgreSQL database must exist first: createdb NAME)"
+        ) from None
     click.echo("database at head")
 
 
@@ -163,6 +195,7 @@ def _client(url: str) -> Any:
 
 @main.command()
 @click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True, help="Server base URL.")
+@client_errors
 def models(url: str) -> None:
     """List the models a running server serves, ids exactly as requests must name them.
 
@@ -191,6 +224,7 @@ def _submit(url: str, path: str, endpoint: str, window: str) -> Any:
 @click.option("--endpoint", default="/v1/chat/completions", show_default=True)
 @click.option("--window", default="24h", show_default=True, help="completion_window, 1h-168h.")
 @click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
 def batch_submit(path: str, endpoint: str, window: str, url: str) -> None:
     """Upload PATH (JSONL) and create a batch; prints the batch id.
 
@@ -204,6 +238,7 @@ def batch_submit(path: str, endpoint: str, window: str, url: str) -> None:
 @batch.command("status")
 @click.argument("batch_id")
 @click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
 def batch_status(batch_id: str, url: str) -> None:
     """Print a batch object as JSON.
 
@@ -240,21 +275,38 @@ def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool 
 @click.option("--endpoint", default="/v1/chat/completions", show_default=True)
 @click.option("--window", default="24h", show_default=True)
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write the output lines here.")
+@click.option("--errors", "-e", type=click.Path(dir_okay=False), default=None, help="Write the error lines here.")
 @click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
-def batch_run(path: str, endpoint: str, window: str, output: str | None, url: str) -> None:
-    """Submit PATH, show progress until the batch ends, then save its output.
+@client_errors
+def batch_run(path: str, endpoint: str, window: str, output: str | None, errors: str | None, url: str) -> None:
+    """Submit PATH, show progress until the batch ends, then save its output (and its error lines).
+
+    Exits 0 when the batch completed, even if some rows failed (they are counted, and are in the error file);
+    1 when the batch failed, expired or was cancelled.
 
     \b
     Example:
-      miserver batch run examples/topics.jsonl -o results.jsonl
+      miserver batch run examples/topics.jsonl -o results.jsonl -e errors.jsonl
     """
     client = _client(url)
     created = _submit(url, path, endpoint, window)
     final = wait_for_batch(client, created.id)
-    click.echo(f"{final.id}: {final.status} {final.request_counts}")
-    if output and final.output_file_id:
-        Path(output).write_bytes(client.files.content(final.output_file_id).content)
-        click.echo(f"output written to {output}")
+    counts = final.request_counts
+    done = f"{counts.completed} completed, {counts.failed} failed of {counts.total}" if counts else "no rows"
+    click.echo(f"{final.id}: {final.status}, {done}")
+    for error in (final.errors.data or [])[:5] if final.errors else []:
+        where = f"line {error.line}: " if error.line else ""
+        click.echo(f"  {where}{error.code}: {error.message}", err=True)
+    files = [(output, final.output_file_id, "output", "--output")]
+    files.append((errors, final.error_file_id, "error lines", "--errors"))
+    for target, file_id, what, option in files:
+        if file_id is None:
+            continue
+        if target:
+            Path(target).write_bytes(client.files.content(file_id).content)
+            click.echo(f"{what} written to {target}")
+        else:
+            click.echo(f"{what}: file {file_id} (save it with {option} PATH)")
     if final.status != "completed":
         raise SystemExit(1)
 

@@ -100,6 +100,10 @@ class PayloadTooLargeError(APIError):
     default_code = "file_too_large"
 
 
+#: The message of every 500, on the synchronous routes and in batch error files alike (OpenAI's wording).
+SERVER_ERROR_MESSAGE = "The server had an error while processing your request."
+
+
 class ServerError(APIError):
     """500: a real fault of the server (never a client's mistake)."""
 

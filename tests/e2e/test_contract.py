@@ -28,6 +28,9 @@ REFUSED: list[dict[str, Any]] = [
     {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
     {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
     {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+    {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": 2**70},
+    {"model": "tiny", "messages": [{"role": "user", "content": None}]},
+    {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "metadata": {"k": 1}},
 ]
 
 

@@ -80,9 +80,11 @@ async def test_same_seed_same_output_different_seeds_differ(engine: LocalEngine)
     assert one.sequences[0].token_ids != other.sequences[0].token_ids
 
 
-async def test_tiny_top_p_is_greedy(engine: LocalEngine) -> None:
+@pytest.mark.parametrize("top_p", [1e-6, 0.0])
+async def test_tiny_top_p_is_greedy(engine: LocalEngine, top_p: float) -> None:
+    # top_p 0 keeps only the most likely token (OpenAI accepts it), it never empties the distribution
     greedy = await engine.generate(request(engine, max_tokens=20, temperature=0.0))
-    nucleus = await engine.generate(request(engine, max_tokens=20, temperature=1.0, top_p=1e-6, seed=5))
+    nucleus = await engine.generate(request(engine, max_tokens=20, temperature=1.0, top_p=top_p, seed=5))
     assert nucleus.sequences[0].token_ids == greedy.sequences[0].token_ids
 
 

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
-from ..errors import APIError, EngineUnavailableError, ServerError
+from ..errors import SERVER_ERROR_MESSAGE, APIError, EngineUnavailableError, ServerError
 from ..ids import now, now_ms
 from ..scheduler import Priority
 from ..services.context import Call, ServiceContext, ServiceResult
@@ -365,7 +365,7 @@ class BatchRunner:
             return False, output.failure_line(row.custom_id, exc), (0, 0)
         except Exception:
             log.exception("row %s failed on the server", row.custom_id)
-            return False, output.failure_line(row.custom_id, ServerError("The server failed on this request.")), (0, 0)
+            return False, output.failure_line(row.custom_id, ServerError(SERVER_ERROR_MESSAGE)), (0, 0)
 
     # -- finishing --------------------------------------------------------------------------------------------
 

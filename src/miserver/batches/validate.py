@@ -57,8 +57,8 @@ class ValidationSummary:
 async def physical_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, bytes]]:
     """Yield ``(line_number, raw_line)`` with a leading UTF-8 BOM stripped and ``\\r\\n`` accepted.
 
-    Raises :class:`BatchFailure` (``invalid_encoding``) for a UTF-16 file (a UTF-16 byte-order mark, or NUL bytes
-    in the first line), which a line-by-line reading would otherwise report as garbage on every line.
+    Raises :class:`BatchFailure` (``invalid_encoding``) for a UTF-16 or binary file (a UTF-16 byte-order mark, or
+    NUL bytes in the first line), which a line-by-line reading would otherwise report as garbage on every line.
     """
     buf = b""
     number = 0
@@ -68,7 +68,8 @@ async def physical_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[in
             if chunk.startswith(UTF16_BOMS) or b"\x00" in chunk.split(b"\n", 1)[0]:
                 raise BatchFailure(
                     "invalid_encoding",
-                    "The input file looks like UTF-16; batch files must be UTF-8 JSON Lines (save it as UTF-8).",
+                    "The input file looks like UTF-16 or binary (NUL bytes in its first line); batch files must be "
+                    "UTF-8 JSON Lines (save it as UTF-8).",
                     "input_file_id",
                 )
             if chunk.startswith(b"\xef\xbb\xbf"):
@@ -119,7 +120,11 @@ def check_line(
     for key in LINE_KEYS:
         if key not in obj:
             return custom_id, None, None, MissingParameterError(f"Missing required parameter: '{key}'.", param=key)
-    if not isinstance(cid, str) or not cid:
+    if not isinstance(cid, str):
+        return None, None, None, InvalidRequestError(
+            "'custom_id' must be a string.", param="custom_id", code="invalid_type"
+        )
+    if not cid:
         return None, None, None, InvalidRequestError("'custom_id' must be a non-empty string.", param="custom_id")
     if len(cid) > MAX_CUSTOM_ID_CHARS:
         return None, None, None, InvalidRequestError(

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .common import ChatTokenLogprob, RequestModel, ResponseModel, Usage
+from .common import SEED_MAX, SEED_MIN, ChatTokenLogprob, RequestModel, ResponseModel, Usage
 
 
 class TextContentPart(RequestModel):
@@ -50,7 +50,7 @@ class ChatCompletionRequest(RequestModel):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool | None = None

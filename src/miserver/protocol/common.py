@@ -29,6 +29,9 @@ class ResponseModel(BaseModel):
 
 R = TypeVar("R", bound=RequestModel)
 
+#: ``seed`` must fit a signed 64-bit integer (torch's generator seed; vLLM and OpenAI take 64-bit seeds too).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 def param_path(loc: tuple[int | str, ...]) -> str:
     """OpenAI's way of naming a nested field: ``("messages", 0, "content")`` -> ``messages[0].content``."""

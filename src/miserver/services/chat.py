@@ -9,7 +9,7 @@ from typing import Any
 
 from ..engines.adapter import generation_request
 from ..engines.base import Engine, GenerationRequest, GenerationResult, ScoreRequest, ScoreResult, TokenLogprob
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, MissingParameterError
 from ..ids import now, random_id
 from ..protocol.chat import (
     ChatChoice,
@@ -55,6 +55,11 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompleti
     check_stream_options(req.stream, req.stream_options)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+    for i, message in enumerate(req.messages):
+        if message.content is None and message.role != "assistant":  # only an assistant turn may omit content
+            raise MissingParameterError(
+                f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content"
+            )
     engine = ctx.resolve_model(req.model)
     return req, engine
 

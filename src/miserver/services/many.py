@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..engines.base import Engine
-from ..errors import APIError, ServerError
+from ..errors import SERVER_ERROR_MESSAGE, APIError, ServerError
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 
 log = logging.getLogger("miserver.services")
@@ -136,7 +136,7 @@ async def run_many(
 def server_error(index: int, what: str) -> Outcome:
     """A row that failed on the server (logged with its traceback): 500 ``internal_error``."""
     log.exception("row %d: %s", index, what)
-    return Outcome(index, ServerError("The server failed on this request."), False)
+    return Outcome(index, ServerError(SERVER_ERROR_MESSAGE), False)
 
 
 def check_partition(packs: list[list[int]], count: int) -> None:
@@ -201,7 +201,7 @@ def _finish(row: RowUnits[Any, Any], results: list[Any], packed: bool) -> Outcom
     failed = next((x for x in results if isinstance(x, BaseException)), None)
     if failed is not None:
         log.error("row %d: the engine failed: %r", row.index, failed)
-        return Outcome(row.index, ServerError("The server failed on this request."), False)
+        return Outcome(row.index, ServerError(SERVER_ERROR_MESSAGE), False)
     try:
         return Outcome(row.index, row.build(results), packed)
     except APIError as exc:

@@ -71,7 +71,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return int(torch.multinomial(probs, 1, generator=generator))
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)  # the top token always stays
+    outside = mass_before >= params.top_p
+    outside[0] = False  # the top token always stays (so top_p 0 picks the most likely token)
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
 
 
