@@ -7,6 +7,7 @@ tested here: the shortest window is one hour and the server's clock cannot be mo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -25,7 +26,7 @@ from tests.support.batches import (
     submit,
     wait_terminal,
 )
-from tests.support.server import ServerProcess, wait_for
+from tests.support.server import ServerProcess, tiny_server_process, wait_for
 
 PROVENANCE = ("X-miLLM-Model", "X-miLLM-Backend", "X-miLLM-Seed", "X-miLLM-Weights", "X-miLLM-Dtype")
 #: A prompt that fits the tiny model's 512-token context but not with 300 more tokens of completion.
@@ -575,3 +576,24 @@ def test_cancel_of_a_finished_batch_is_409(module_server: ServerProcess) -> None
         assert exc.status_code == 409
         assert error_of(exc)["message"]
         assert client.batches.retrieve(b.id) == b, "a refused cancel changes nothing"
+
+
+def test_cancel_ends_a_long_chunk_at_the_next_row(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A chunk as long as the whole batch: a cancel still stops it at the next row boundary, not at its end."""
+    rows = 100
+    env = {"BATCH_CHUNK_ROWS": str(rows), "BATCH_CHUNK_SECONDS": "600"}
+    with tiny_server_process(tiny_model_dir, tmp_path, env=env) as server:
+        client = server.client()
+        ids = [f"row-{i:03d}" for i in range(rows)]
+        data = jsonl([line(cid, chat_body(f"Story {i}", max_tokens=64, stop=["\u2603never\u2603"]))
+                      for i, cid in enumerate(ids)])  # fmt: skip
+        batch = submit(client, data)
+        wait_for(lambda: (b := client.batches.retrieve(batch.id)).request_counts.completed >= 1 and b, timeout=120)
+        cancelling = client.batches.cancel(batch.id)
+        assert cancelling.request_counts is not None
+        done = wait_terminal(client, batch.id)
+        assert done.status == "cancelled"
+        out, err = assert_result_files(client, done, ids)
+        # at most the row running when the cancel was stored, and one recorded just before it was read, run after it
+        assert len(out) <= cancelling.request_counts.completed + 2 < rows
+        assert len(err) == rows - len(out) and all(x["error"]["code"] == "batch_cancelled" for x in err)

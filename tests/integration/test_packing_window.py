@@ -114,3 +114,17 @@ async def test_a_waiting_interactive_request_ends_the_window_at_a_pack_boundary(
     assert len(await results(store)) == 1, "one pack, then the waiting request goes first"
     gate.release(slot)
     gate.release(await waiter)
+
+
+async def test_a_cancel_ends_the_window_at_the_next_recorded_row(
+    engine: LocalEngine, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx = ServiceContext(engine=engine, gate=AdmissionGate(1), rng=random.Random(0), store=store)
+    rows = await claimed_batch(store, [body(t) for t in TEXTS], "t1")
+    monkeypatch.setattr(packing, "runner_plan", lambda settings: lambda lengths: [[i] for i in range(len(lengths))])
+    async with store.tx() as conn:  # the cancel arrived while the window waited for its slot
+        assert await sb.transition(conn, "batch_1", ("in_progress",), "cancelling", 3)
+    await window(ctx, store, rows, Call(strict=True, priority=Priority.BATCH))
+    assert len(await results(store)) == 1, "the first recorded row sees the cancel; the others stay pending"
+    async with store.tx() as conn:
+        assert await sr.count_pending(conn, "batch_1") == len(TEXTS) - 1

@@ -30,6 +30,7 @@ from ..services.many import Plan
 from ..services.registry import SERVICES, EndpointService
 from ..settings import Settings
 from ..store import Store
+from ..store import batches as store_batches
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord
 from . import output
@@ -106,7 +107,7 @@ async def run_window(
     ``call`` holds the chunk's slot and its ``should_stop`` (stop, time bound). Once a row is recorded, an
     interactive request waiting for the gate also ends the window at the next pack boundary, as it ends a chunk at a
     row boundary. Rows left unrun stay pending and are released by the caller with the claim. Returns early when a
-    record is refused (the claim was taken over).
+    record is refused (the claim was taken over) or once the batch is being cancelled (read after each record).
     """
     assert service.create_many is not None
     recorded_rows = 0
@@ -139,10 +140,13 @@ async def run_window(
                     input_tokens=usage[0],
                     output_tokens=usage[1],
                 )
+                cancelled = await store_batches.get_status(conn, batch_id) == "cancelling"
             if not recorded:
                 log.warning("batch %s line %d: claim lost, result dropped", batch_id, row.line)
                 return
             recorded_rows += 1
             on_change(batch_id)
+            if cancelled:
+                return  # a cancel arrived: the rows not yet recorded stay pending and become batch_cancelled lines
     finally:
         await outcomes.aclose()  # type: ignore[attr-defined]

@@ -318,10 +318,13 @@ class BatchRunner:
                             input_tokens=usage[0],
                             output_tokens=usage[1],
                         )
+                        cancelled = await store_batches.get_status(conn, batch.id) == "cancelling"
                     if not recorded:
                         log.warning("batch %s line %d: claim lost, result dropped", batch.id, row.line)
                         break
                     self.on_change(batch.id)
+                    if cancelled:
+                        break  # a cancel arrived: end the chunk at this row boundary (the rest is released below)
         finally:
             async with self.store.tx() as conn:
                 await store_rows.release_claim(conn, batch_id=batch.id, token=token)

@@ -103,6 +103,11 @@ async def get_batch(conn: AsyncConnection, batch_id: str) -> BatchRecord | None:
     return BatchRecord.from_row(row) if row else None
 
 
+async def get_status(conn: AsyncConnection, batch_id: str) -> str | None:
+    """The batch's status alone (the runner asks after each recorded row whether a cancel arrived); None if absent."""
+    return (await conn.execute(select(batches.c.status).where(batches.c.id == batch_id))).scalar()
+
+
 async def list_batches(conn: AsyncConnection, *, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
     """Newest first; ``after`` is the last id of the previous page. Returns the page and ``has_more``."""
     q = select(batches)
