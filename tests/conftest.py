@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from miserver.engines.local.engine import LocalEngine
+from miserver.store import Store
 from tests.support.databases import database
 from tests.support.server import ServerProcess, tiny_server_process
 from tests.support.tiny_model import build_tiny_model
@@ -29,6 +32,24 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     """A fresh, empty database: every store and end-to-end test runs once on SQLite and once on PostgreSQL."""
     with database(request.param, tmp_path) as url:
         yield url
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    """An open :class:`~miserver.store.Store` on a fresh database (each kind in turn), closed after the test."""
+    s = await Store.open(database_url)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
+    """The tiny model in an in-process :class:`LocalEngine` on the CPU, served as ``tiny``, shared by a module."""
+    eng = asyncio.run(LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu"))
+    yield eng
+    asyncio.run(eng.close())
 
 
 @pytest.fixture

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,22 +26,6 @@ from miserver.store import rows as sr
 
 TEXTS = ["hi", "tell me about the sea and the ships on it", "why", "what is the capital of France?", "ok then"]
 SETTINGS = Settings(batch_pack_max_padding=1.0)  # rows of any length share a pack: every scoring row packs
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
-    eng = asyncio.run(LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu"))
-    yield eng
-    asyncio.run(eng.close())
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    s = await Store.open(database_url)
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 def body(text: str, **extra: Any) -> dict[str, Any]:

@@ -6,10 +6,7 @@ list, get, delete. The HTTP routes and batch rows are covered end to end in test
 
 from __future__ import annotations
 
-import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,22 +24,6 @@ from miserver.store.probes import ProbeRecord
 
 POSITIVE = ["good", "great movie", "wonderful day", "I love it", "excellent food", "happy times"]
 NEGATIVE = ["bad", "awful movie", "terrible day", "I hate it", "disgusting food", "sad times"]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
-    eng = asyncio.run(LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu"))
-    yield eng
-    asyncio.run(eng.close())
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    s = await Store.open(database_url)
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 def context(engine: LocalEngine, store: Store) -> ServiceContext:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy.exc import IntegrityError
@@ -12,15 +11,6 @@ from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import files as sf
 from miserver.store import rows as sr
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    s = await Store.open(database_url)
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1") -> None:

@@ -7,12 +7,9 @@ pass; a pack agrees with its rows run alone. Service level: the many-rows call a
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import random
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,13 +35,6 @@ TEXTS = [
     "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
 ]
 TOL = 1e-4  # float32, packed against alone (measured about 1e-6 on this model)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
-    eng = asyncio.run(LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu"))
-    yield eng
-    asyncio.run(eng.close())
 
 
 @pytest.fixture
