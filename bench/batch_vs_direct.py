@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import datetime as dt
 import json
 import os
@@ -40,48 +39,26 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("MISERVER_SHARED_DATA", ROOT / ".." / "shared" / "data"))
-RESULTS = ROOT / "bench" / "results" / "batch_vs_direct.json"
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1"
-LABELS = ("World", "Sports", "Business", "Sci/Tech")
-POLL_SECONDS = 1.0  # what a user's polling loop does; the time is measured to within this
+sys.path.insert(0, str(ROOT))
 
-# Same prompt as tests/e2e/test_real_model.py and examples/topics.jsonl.
-SYSTEM = (
-    "Classify the news by topic. Reply with one word:\n"
-    "World: politics, governments, wars, elections, diplomacy, disasters.\n"
-    "Sports: games, teams, athletes, matches.\n"
-    "Business: companies, markets, prices, jobs, the economy.\n"
-    "Sci/Tech: science, research, computers, the internet, space."
-)
-SHOTS = (
-    ("Striker scores twice as club wins the league. The forward's late goals sealed the title on the last day.", "Sports"),
-    ("Bank shares climb after strong profits. The lender earned more than expected as loan demand rose.", "Business"),
-    ("New smartphone chip makes apps run faster. The processor uses less power and speeds up games.", "Sci/Tech"),
-    ("Rebels attack capital as peace talks stall. The government declared an emergency after fighting spread.", "World"),
-)
+from miserver.settings import EMBEDDED_MODEL_ID  # noqa: E402
+from tests.support.agnews import LABELS, balanced_items, few_shot_messages  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "batch_vs_direct.json"
+MODEL = EMBEDDED_MODEL_ID
+POLL_SECONDS = 1.0  # what a user's polling loop does; the time is measured to within this
 MAX_TOKENS = 4
 
 
 def load_rows(n: int) -> list[dict[str, str]]:
     """The first ``ceil(n / 4)`` rows of each label in file order, cut to ``n`` (file order kept)."""
-    per_label = -(-n // len(LABELS))
-    taken = dict.fromkeys(LABELS, 0)
-    rows = []
-    with (SHARED_DATA / "ag_news_samples.csv").open(newline="", encoding="utf-8") as fh:
-        for row in csv.DictReader(fh):
-            if taken[row["label"]] < per_label:
-                taken[row["label"]] += 1
-                rows.append(row)
-    return rows[:n]
+    return balanced_items(-(-n // len(LABELS)))[:n]
 
 
 def body_for(row: dict[str, str]) -> dict[str, Any]:
-    messages = [{"role": "system", "content": SYSTEM}]
-    for shot, label in SHOTS:
-        messages += [{"role": "user", "content": shot}, {"role": "assistant", "content": label}]
-    messages.append({"role": "user", "content": f"{row['title']}. {row['description']}"})
-    return {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    """The few-shot topic question of ``examples/topics.jsonl`` and the real-model test, greedy."""
+    text = f"{row['title']}. {row['description']}"
+    return {"model": MODEL, "messages": few_shot_messages(text), "max_tokens": MAX_TOKENS, "temperature": 0}
 
 
 def free_port() -> int:

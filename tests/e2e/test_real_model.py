@@ -10,74 +10,32 @@ The data set is read from ``../shared/data`` beside the repository (or ``MISERVE
 
 from __future__ import annotations
 
-import csv
 import json
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
 
+from miserver.settings import EMBEDDED_MODEL_ID
+from tests.support.agnews import LABELS, ag_news_path, balanced_items, few_shot_messages, predicted_label
 from tests.support.server import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1"
-LABELS = ("World", "Sports", "Business", "Sci/Tech")
+MODEL = EMBEDDED_MODEL_ID
 PER_LABEL = 50
-SHARED_DATA = Path(os.environ.get("MISERVER_SHARED_DATA", Path(__file__).resolve().parents[2] / ".." / "shared" / "data"))
-AG_NEWS = SHARED_DATA / "ag_news_samples.csv"
-
-# The prompt of examples/topics.jsonl: a system prompt naming the four labels and four short examples as earlier
-# turns (a 135M model follows a demonstrated answer format far better than an instruction alone).
-SYSTEM = (
-    "Classify the news by topic. Reply with one word:\n"
-    "World: politics, governments, wars, elections, diplomacy, disasters.\n"
-    "Sports: games, teams, athletes, matches.\n"
-    "Business: companies, markets, prices, jobs, the economy.\n"
-    "Sci/Tech: science, research, computers, the internet, space."
-)
-SHOTS = (
-    ("Striker scores twice as club wins the league. The forward's late goals sealed the title on the last day.", "Sports"),
-    ("Bank shares climb after strong profits. The lender earned more than expected as loan demand rose.", "Business"),
-    ("New smartphone chip makes apps run faster. The processor uses less power and speeds up games.", "Sci/Tech"),
-    ("Rebels attack capital as peace talks stall. The government declared an emergency after fighting spread.", "World"),
-)
 MAX_TOKENS = 4
-
-_LABEL_KEYS = (("world", "World"), ("sport", "Sports"), ("business", "Business"), ("sci", "Sci/Tech"), ("tech", "Sci/Tech"))
-
-
-def parse_label(answer: str) -> str | None:
-    """The first of the four labels mentioned in ``answer`` (case-insensitive; 'sci' or 'tech' mean Sci/Tech)."""
-    text = answer.lower()
-    hits = [(i, label) for key, label in _LABEL_KEYS if (i := text.find(key)) >= 0]
-    return min(hits)[1] if hits else None
-
-
-def topic_messages(text: str) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": SYSTEM}]
-    for shot, label in SHOTS:
-        messages += [{"role": "user", "content": shot}, {"role": "assistant", "content": label}]
-    return [*messages, {"role": "user", "content": text}]
 
 
 def ag_news_rows(per_label: int = PER_LABEL) -> list[dict[str, str]]:
-    """The first ``per_label`` rows of each label, in file order (deterministic and balanced)."""
-    if not AG_NEWS.exists():
-        pytest.fail(f"shared data set missing: {AG_NEWS} (set MISERVER_SHARED_DATA to the shared/data folder)")
-    taken = dict.fromkeys(LABELS, 0)
-    rows = []
-    with AG_NEWS.open(newline="", encoding="utf-8") as fh:
-        for row in csv.DictReader(fh):
-            if taken[row["label"]] < per_label:
-                taken[row["label"]] += 1
-                rows.append(row)
-    assert all(n == per_label for n in taken.values()), taken
+    """The first ``per_label`` rows of each label, in file order; fails (not skips) without the shared data."""
+    if not ag_news_path().exists():
+        pytest.fail(f"shared data set missing: {ag_news_path()} (set MISERVER_SHARED_DATA to the shared/data folder)")
+    rows = balanced_items(per_label)
+    assert len(rows) == per_label * len(LABELS)
     return rows
 
 
@@ -89,7 +47,7 @@ def batch_lines(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
             "url": "/v1/chat/completions",
             "body": {
                 "model": MODEL,
-                "messages": topic_messages(f"{row['title']}. {row['description']}"),
+                "messages": few_shot_messages(f"{row['title']}. {row['description']}"),
                 "max_tokens": MAX_TOKENS,
                 "temperature": 0,
             },
@@ -137,7 +95,7 @@ def test_ag_news_topics_through_the_batch_api(real_server: ServerProcess) -> Non
         assert completion.model == MODEL
         answer = completion.choices[0].message.content
         assert answer and answer.strip()
-        label = parse_label(answer)
+        label = predicted_label(answer)
         predicted[label] += 1
         correct += label == row["label"]
     accuracy = correct / len(rows)
