@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test serve bench clean
+.PHONY: install demo lint test serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ install: $(STAMP)
 demo: $(STAMP)  ## start a server, run the example batch on the real model, print a summary
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)  ## the whole suite (unit, integration on SQLite and PostgreSQL, end to end)
+lint: $(STAMP)  ## ruff (lint and import order), then mypy --strict over src/miserver
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/mypy
+
+test: lint  ## the checks above, then the whole suite (unit, integration on SQLite and PostgreSQL, end to end)
 	$(BIN)/python -m pytest tests
 
 serve: $(STAMP)  ## the server alone, on the embedded defaults

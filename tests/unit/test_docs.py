@@ -1,0 +1,84 @@
+"""The README documents every setting, and every CLI command's ``--help`` shows an example."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+from pydantic import AliasChoices
+
+from miserver.cli import main
+from miserver.settings import Settings
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_env_table() -> set[str]:
+    """The variables named in the first column of the README's "Environment variables" table."""
+    text = README.read_text()
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([A-Z0-9_]+)` \|", section, flags=re.MULTILINE))
+
+
+def _setting_env_names() -> set[str]:
+    """The upper-case environment variable of each :class:`Settings` field."""
+    names = set()
+    for field_name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        assert isinstance(alias, AliasChoices), f"setting {field_name} names no environment variable"
+        upper = [c for c in alias.choices if isinstance(c, str) and c.isupper()]
+        assert len(upper) == 1, f"setting {field_name}: {alias.choices}"
+        names.add(upper[0])
+    return names
+
+
+def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], click.Command]]:
+    found: list[tuple[tuple[str, ...], click.Command]] = []
+    for name, command in sorted(group.commands.items()):
+        path = (*prefix, name)
+        found.append((path, command))
+        if isinstance(command, click.Group):
+            found.extend(_commands(command, path))
+    return found
+
+
+def _cli_env_names() -> set[str]:
+    names = set()
+    for _, command in _commands(main):
+        for param in command.params:
+            envvar = getattr(param, "envvar", None)
+            if isinstance(envvar, str):
+                names.add(envvar)
+    return names
+
+
+def test_every_setting_is_in_the_readme_table() -> None:
+    table = _readme_env_table()
+    assert table, "README.md has no '## Environment variables' table"
+    missing = sorted(_setting_env_names() - table)
+    assert not missing, f"settings missing from README's environment table: {missing}"
+
+
+def test_every_cli_environment_variable_is_in_the_readme_table() -> None:
+    missing = sorted(_cli_env_names() - _readme_env_table())
+    assert not missing, f"CLI environment variables missing from README's environment table: {missing}"
+
+
+def test_the_readme_table_names_no_unknown_variable() -> None:
+    unknown = sorted(_readme_env_table() - _setting_env_names() - _cli_env_names())
+    assert not unknown, f"README's environment table names variables nothing reads: {unknown}"
+
+
+@pytest.mark.parametrize(
+    "path", [path for path, command in _commands(main) if not isinstance(command, click.Group)], ids=" ".join
+)
+def test_every_cli_command_help_has_an_example(path: tuple[str, ...]) -> None:
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    assert result.output.partition("\n\n")[2].strip(), f"`miserver {' '.join(path)} --help` has no description"
+    assert "Example:" in result.output, f"`miserver {' '.join(path)} --help` shows no example"
+    example = result.output.split("Example:", 1)[1]
+    assert f"miserver {' '.join(path)}" in example, f"the example of `miserver {' '.join(path)}` does not run it"
