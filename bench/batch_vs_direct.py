@@ -206,7 +206,7 @@ def main() -> int:
 
     result = {
         "benchmark": "batch_vs_direct",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "model": args.model,
         "rows": len(bodies),
         "max_tokens": MAX_TOKENS,

@@ -62,7 +62,11 @@ def main() -> None:
         restart_s = []
         try:
             for point in points:
-                wait_for(lambda: (b := server.client().batches.retrieve(batch.id)).request_counts.completed >= point, timeout=1800, interval=0.2)  # type: ignore[union-attr]
+                def reached(server: ServerProcess = server, point: int = point) -> bool:
+                    counts = server.client().batches.retrieve(batch.id).request_counts
+                    return counts is not None and counts.completed >= point
+
+                wait_for(reached, timeout=1800, interval=0.2)
                 server.kill9()
                 in_flight.append(log.read_text().split()[-1])
                 r0 = time.perf_counter()

@@ -33,7 +33,8 @@ from tests.support.server import ServerProcess, wait_for  # noqa: E402
 from tests.support.tiny_model import build_tiny_model  # noqa: E402
 
 MODEL = "tiny"
-WORDS = "the quick brown fox jumps over a lazy dog while markets rally and teams score late goals".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "markets", "rally", "and"]
+WORDS += ["teams", "score", "late", "goals"]
 
 
 def make_file(path: Path, lines: int, line_bytes: int) -> int:

@@ -34,7 +34,9 @@ class ProgressEvents:
     def __init__(self, store: Store | None = None, *, poll_seconds: float = 1.0) -> None:
         self._store = store
         self.poll_seconds = poll_seconds
-        self.sio = socketio.AsyncServer(async_mode="asgi", cors_allowed_origins="*", logger=False, engineio_logger=False)
+        self.sio = socketio.AsyncServer(
+            async_mode="asgi", cors_allowed_origins="*", logger=False, engineio_logger=False
+        )
         self._pending: set[str] = set()
         self._wake = asyncio.Event()
         self._last: dict[str, dict[str, Any]] = {}

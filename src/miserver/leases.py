@@ -29,7 +29,12 @@ class Lease:
     expires_at: float
 
     def as_json(self) -> dict[str, object]:
-        return {"lease": self.lease, "holder": self.holder, "ttl_seconds": self.ttl_seconds, "expires_at": int(self.expires_at)}
+        return {
+            "lease": self.lease,
+            "holder": self.holder,
+            "ttl_seconds": self.ttl_seconds,
+            "expires_at": int(self.expires_at),
+        }
 
 
 def check_ttl(ttl: float) -> float:
@@ -64,7 +69,9 @@ class LeaseManager:
         live = self.current()
         if live is not None and live.holder != holder:
             raise ConflictError(
-                f"The model is leased by '{live.holder}' until {int(live.expires_at)}.", param="holder", code="lease_held"
+                f"The model is leased by '{live.holder}' until {int(live.expires_at)}.",
+                param="holder",
+                code="lease_held",
             )
         token = live.lease if live is not None else "lease_" + secrets.token_hex(12)
         self._lease = Lease(token, holder, ttl, self._clock() + ttl)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from enum import IntEnum
 
 
@@ -68,10 +68,8 @@ class AdmissionGate:
                 self._release()
             raise
         finally:
-            try:
+            with suppress(ValueError):
                 self._waiters[priority].remove(fut)
-            except ValueError:
-                pass
         self.granted[priority] += 1
         return Slot(self, priority)
 

@@ -9,6 +9,8 @@ import random
 from collections import Counter
 from pathlib import Path
 
+from openai import OpenAI
+
 from tests.support.batches import chat_body, jsonl, line, read_lines, submit, wait_terminal
 from tests.support.server import ServerProcess, wait_for
 
@@ -38,8 +40,12 @@ def test_three_kills_no_recorded_row_runs_twice(tiny_model_dir: Path, database_u
     try:
         for point in kill_points:
             c = current.client()
-            wait_for(lambda: (b := c.batches.retrieve(batch.id)).request_counts is not None
-                     and b.request_counts.completed >= point, timeout=300)  # fmt: skip
+
+            def reached(c: OpenAI = c, point: int = point) -> bool:
+                counts = c.batches.retrieve(batch.id).request_counts
+                return counts is not None and counts.completed >= point
+
+            wait_for(reached, timeout=300)
             current.kill9()
             executed = log.read_text().split()
             in_flight.append(executed[-1])  # the row the engine was on when the process died (if unrecorded)

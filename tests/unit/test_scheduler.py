@@ -73,7 +73,6 @@ async def test_cancelled_waiter_leaves_no_slot_behind() -> None:
 
 async def test_held_slot_is_reused_not_requeued() -> None:
     gate = AdmissionGate(1)
-    async with gate.hold(Priority.BATCH) as slot:
-        async with gate.hold(Priority.INTERACTIVE, slot) as inner:
-            assert inner is slot and gate.in_use == 1
+    async with gate.hold(Priority.BATCH) as slot, gate.hold(Priority.INTERACTIVE, slot) as inner:
+        assert inner is slot and gate.in_use == 1
     assert gate.in_use == 0

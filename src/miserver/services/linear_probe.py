@@ -34,10 +34,14 @@ class LinearProbe:
             return np.stack([1.0 - p1, p1], axis=1)
         z = z - z.max(axis=1, keepdims=True)
         e = np.exp(z)
-        return e / e.sum(axis=1, keepdims=True)
+        probabilities: np.ndarray = e / e.sum(axis=1, keepdims=True)
+        return probabilities
 
     def api_weights(self) -> tuple[list[float] | list[list[float]], float | list[float]]:
-        """``(weights, bias)`` in the API's shape: ``[hidden]`` and a number when binary, else ``[K][hidden]``, ``[K]``."""
+        """``(weights, bias)`` in the API's shape.
+
+        ``[hidden]`` and a number when binary, else ``[K][hidden]`` and ``[K]``.
+        """
         if self.coef.shape[0] == 1:
             return [float(x) for x in self.coef[0]], float(self.intercept[0])
         return [[float(x) for x in row] for row in self.coef], [float(x) for x in self.intercept]
@@ -58,7 +62,9 @@ class LinearProbe:
             raise MissingParameterError("Missing required parameter: 'bias' (it goes with 'weights').", param="bias")
         if weights and isinstance(weights[0], (int, float)):  # binary: [hidden] and a number
             if not isinstance(bias, (int, float)):
-                raise InvalidRequestError("Invalid 'bias': a binary probe ([hidden] weights) has one number.", param="bias")
+                raise InvalidRequestError(
+                    "Invalid 'bias': a binary probe ([hidden] weights) has one number.", param="bias"
+                )
             coef = np.asarray([list(weights)], dtype=np.float64)
             intercept = np.asarray([bias], dtype=np.float64)
         else:
@@ -77,7 +83,9 @@ class LinearProbe:
                 param="weights",
             )
         if not (np.isfinite(coef).all() and np.isfinite(intercept).all()):
-            raise InvalidRequestError("Invalid 'weights': every weight and bias must be a finite number.", param="weights")
+            raise InvalidRequestError(
+                "Invalid 'weights': every weight and bias must be a finite number.", param="weights"
+            )
         count = 2 if coef.shape[0] == 1 else coef.shape[0]
         labels = tuple(classes) if classes is not None else tuple(range(count))
         if len(labels) != count or len(set(labels)) != count:

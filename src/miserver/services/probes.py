@@ -117,7 +117,9 @@ async def create_probe(ctx: ServiceContext, body: Any, call: Call) -> dict[str, 
         check_labels(req.texts, req.labels)
         for name in ("bias", "classes"):
             if getattr(req, name) is not None:
-                raise InvalidRequestError(f"'{name}' goes with 'weights'; a trained probe's come from the fit.", param=name)
+                raise InvalidRequestError(
+                    f"'{name}' goes with 'weights'; a trained probe's come from the fit.", param=name
+                )
         features = await _features(ctx, engine, _tokens(engine, req.texts, "texts"), layer, req.pooling, call)
         c = req.C if req.C is not None else DEFAULT_C
         assert req.labels is not None
@@ -152,7 +154,9 @@ async def create_probe(ctx: ServiceContext, body: Any, call: Call) -> dict[str, 
 
 def _exists(name: str) -> ConflictError:
     return ConflictError(
-        f"A probe named '{name}' already exists. Delete it first or choose another name.", param="name", code="probe_exists"
+        f"A probe named '{name}' already exists. Delete it first or choose another name.",
+        param="name",
+        code="probe_exists",
     )
 
 

@@ -61,7 +61,8 @@ class Residency:
                     self.ctx.engine = None
                     await current.close()
                 try:
-                    engine = await self.factory(self.settings.model_copy(update={"model": source, "served_model_name": served}))
+                    update = {"model": source, "served_model_name": served}
+                    engine = await self.factory(self.settings.model_copy(update=update))
                 except (ValueError, OSError) as exc:
                     raise InvalidRequestError(f"Cannot load model {model!r}: {exc}", param="model") from None
                 self.ctx.engine = self.prepare(engine)

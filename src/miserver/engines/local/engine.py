@@ -1,8 +1,9 @@
 """The local engine: one resident transformers model driven from one dedicated thread (DESIGN §8).
 
 All torch work (loading, prefill, decode, scoring and pooling passes) runs on a single ``miserver-engine`` worker
-thread, so requests are executed one at a time in submission order and the event loop never blocks on the model. Streaming hands deltas
-from that thread to the event loop through an ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``.
+thread, so requests are executed one at a time in submission order and the event loop never blocks on the model.
+Streaming hands deltas from that thread to the event loop through an ``asyncio.Queue`` fed with
+``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers refuses to save a GGUF-loaded model; once dequantised it is an ordinary float model.
-    setattr(model, "hf_quantizer", None)
+    setattr(model, "hf_quantizer", None)  # noqa: B010  (transformers types it as never None)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
 
