@@ -136,8 +136,12 @@ async def test_stop_string_trims_text_and_tokens(engine: LocalEngine) -> None:
     seq = (await engine.generate(req)).sequences[0]
     assert seq.finish_reason == "stop" and seq.text == expected
     assert stop not in seq.text
-    assert seq.token_ids == full.token_ids[: len(seq.token_ids)]
-    assert expected.startswith(engine.decode(seq.token_ids)) and len(seq.token_ids) < len(full.token_ids)
+    # the token ids are those the text comes from: the last one begins before the stop string (it is cut there)
+    assert seq.token_ids == full.token_ids[: len(seq.token_ids)] and len(seq.token_ids) < len(full.token_ids)
+    assert engine.decode(seq.token_ids).startswith(expected) and len(engine.decode(seq.token_ids[:-1])) < len(expected)
+    # every generated token counts, up to the one that completed the stop string
+    completed = next(k for k in range(1, len(full.token_ids) + 1) if stop in engine.decode(full.token_ids[:k]))
+    assert seq.completion_tokens == completed > len(seq.token_ids)
     deltas = await collect(engine, req)
     assert joined(deltas) == (seq.text, seq.token_ids)
     assert deltas[-1].finish_reason == "stop"

@@ -50,23 +50,48 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One position: the chosen token, its natural-log probability, and the top alternatives (id, text, logprob)."""
+    """One position: the chosen token, its natural-log probability, and the top alternatives (id, token, logprob).
+
+    ``token`` (and each alternative's) is the token's own text: its vocabulary bytes decoded as UTF-8 where they are
+    valid, else OpenAI's ``bytes:\\xNN...`` form (every byte escaped), so distinct tokens never share a ``token``.
+    ``token_bytes`` is the token's share of the returned text's UTF-8 bytes: its own vocabulary bytes, empty for a
+    special token (the text skips it), cut where a stop string begins inside the token (``token`` then renders the
+    cut bytes). Joined over a sequence they rebuild the text exactly (unless generation ended inside a character).
+    ``top_bytes`` are the alternatives' own vocabulary bytes, in ``top``'s order. ``text`` is the piece of decoded
+    text this token completes: a token that holds only part of a character gets ``""`` and the token completing it
+    the whole character, so the pieces of a sequence join to its text; None where not computed.
+    """
 
     token_id: int
     token: str
     logprob: float
     top: tuple[tuple[int, str, float], ...] = ()
+    token_bytes: bytes = b""
+    top_bytes: tuple[bytes, ...] = ()
+    text: str | None = None
 
 
 @dataclass
 class Sequence_:
-    """One generated sequence: ids and text after stop-string trimming, with its finish reason."""
+    """One generated sequence: text after stop-string trimming, with its finish reason.
+
+    ``token_ids`` (and ``logprobs``, one per id) are the tokens the returned text comes from, including a token
+    that a stop string cuts (its text begins before the stop string). ``generated_tokens`` counts every token the
+    model generated for the sequence (usage ``completion_tokens``): those, plus the tokens that completed a stop
+    string and an end-of-sequence token; None means ``len(token_ids)``.
+    """
 
     index: int
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
     logprobs: list[TokenLogprob] | None = None
+    generated_tokens: int | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated for this sequence (see ``generated_tokens``)."""
+        return len(self.token_ids) if self.generated_tokens is None else self.generated_tokens
 
 
 @dataclass
@@ -78,18 +103,25 @@ class GenerationResult:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.sequences)
+        """Every token generated, over all sequences (usage ``completion_tokens``)."""
+        return sum(s.completion_tokens for s in self.sequences)
 
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """A streamed piece of one sequence. ``finish_reason`` is set on the sequence's last delta."""
+    """A streamed piece of one sequence. ``finish_reason`` is set on the sequence's last delta.
+
+    ``token_ids``/``logprobs`` are the tokens whose text this delta completes (as in :class:`Sequence_`);
+    ``generated_tokens`` the tokens generated since the sequence's previous delta (their sum over a sequence is its
+    usage ``completion_tokens``; it also counts tokens that return no text: a stop string's, an end-of-sequence).
+    """
 
     index: int
     text: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
+    generated_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,8 +145,9 @@ class ScoreRequest:
 @dataclass
 class ScoreResult:
     """``generation`` is what :meth:`Engine.generate` would return. When prompt logprobs were asked for,
-    ``prompt_logprobs`` has one entry per prompt token (``None`` for the first) and ``prompt_tokens`` the text of
-    every prompt token (special tokens kept, as in :class:`TokenLogprob`); otherwise both are None."""
+    ``prompt_logprobs`` has one entry per prompt token (``None`` for the first) and ``prompt_tokens`` the piece of
+    text each prompt token completes (:attr:`TokenLogprob.text`: they join to the prompt's text, special tokens
+    skipped); otherwise both are None."""
 
     generation: GenerationResult
     prompt_logprobs: list[TokenLogprob | None] | None = None

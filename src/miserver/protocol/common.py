@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidRequestError, MissingParameterError, UnknownParameterError
 
@@ -119,21 +119,47 @@ def parse_request(model_cls: type[R], body: Any, *, strict: bool) -> R:
     return request
 
 
+class PromptTokensDetails(ResponseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: no prompt cache and no audio here, so zeros."""
+
+    cached_tokens: int = 0
+    audio_tokens: int = 0
+
+
+class CompletionTokensDetails(ResponseModel):
+    """OpenAI's ``usage.completion_tokens_details``: no reasoning, audio or predicted outputs here, so zeros."""
+
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(ResponseModel):
-    """Token counts of one response (OpenAI ``usage``)."""
+    """Token counts of one response (OpenAI ``usage``), with the detail objects OpenAI always sends.
+
+    ``completion_tokens`` counts every token generated, those of a stop string and an end-of-sequence token included.
+    """
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class TopLogprob(ResponseModel):
+    """One alternative at a position: ``token`` its text (OpenAI's ``bytes:\\xNN`` form when its bytes are not
+    valid UTF-8), ``bytes`` its own UTF-8 bytes from the vocabulary."""
+
     token: str
     logprob: float
     bytes: list[int] | None
 
 
 class ChatTokenLogprob(ResponseModel):
+    """One generated token: as :class:`TopLogprob`; the ``bytes`` of a message's tokens join to its content."""
+
     token: str
     logprob: float
     bytes: list[int] | None

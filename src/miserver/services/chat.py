@@ -70,12 +70,10 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 def _logprob(lp: TokenLogprob) -> ChatTokenLogprob:
-    return ChatTokenLogprob(
-        token=lp.token,
-        logprob=lp.logprob,
-        bytes=list(lp.token.encode("utf-8")),
-        top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8"))) for _, t, v in lp.top],
-    )
+    """One content token: its text (``bytes:\\xNN`` form where not valid UTF-8) and its share of the content's bytes
+    (joined over the message they rebuild the content); alternatives with their own vocabulary bytes."""
+    top = [TopLogprob(token=t, logprob=v, bytes=list(b)) for (_, t, v), b in zip(lp.top, lp.top_bytes, strict=True)]
+    return ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token_bytes), top_logprobs=top)
 
 
 @dataclass
@@ -189,7 +187,7 @@ async def _stream(
         for i in range(gen.n):
             yield chunk([ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))])
         async for delta in engine.generate_stream(gen):
-            completion_tokens += len(delta.token_ids)
+            completion_tokens += delta.generated_tokens
             logprobs = (
                 ChoiceLogprobs(content=[_logprob(lp) for lp in delta.logprobs])
                 if gen.params.logprobs is not None and delta.logprobs

@@ -124,11 +124,26 @@ async def _run_prompt(p: _Prepared, gen: GenerationRequest) -> ScoreResult:
     return ScoreResult(result, prompt.prompt_logprobs, prompt.prompt_tokens)
 
 
-def _entries(lps: list[TokenLogprob | None], texts: list[str]) -> list[tuple[str, float | None, dict[str, float] | None]]:
-    return [
-        (text, None, None) if lp is None else (text, lp.logprob, {t: v for _, t, v in lp.top})
-        for lp, text in zip(lps, texts)
-    ]
+_Entry = tuple[str, float | None, dict[str, float] | None]
+
+
+def _top(lp: TokenLogprob) -> dict[str, float]:
+    """The alternatives of one position keyed by token text, one key per token: tokens render distinctly
+    (``bytes:\\xNN`` where not valid UTF-8); should two still meet, the later one is keyed ``token_id:N``."""
+    top: dict[str, float] = {}
+    for token_id, token, value in lp.top:
+        top[f"token_id:{token_id}" if token in top else token] = value
+    return top
+
+
+def _entries(lps: list[TokenLogprob | None], texts: list[str]) -> list[_Entry]:
+    """(token, logprob, top) per position. ``texts`` are the pieces of text the tokens complete (they join to the
+    text; :attr:`TokenLogprob.text`), the top keys each token's own text."""
+    return [(text, None, None) if lp is None else (text, lp.logprob, _top(lp)) for lp, text in zip(lps, texts)]
+
+
+def _pieces(lps: list[TokenLogprob]) -> list[str]:
+    return [lp.token if lp.text is None else lp.text for lp in lps]
 
 
 def _choice(index: int, seq: Sequence_, prefix: str, want_logprobs: bool, scored: ScoreResult) -> CompletionChoice:
@@ -141,7 +156,7 @@ def _choice(index: int, seq: Sequence_, prefix: str, want_logprobs: bool, scored
         if scored.prompt_logprobs is not None and scored.prompt_tokens is not None:
             entries = _entries(scored.prompt_logprobs, scored.prompt_tokens)
             offset = 0
-        entries += _entries(list(seq.logprobs), [lp.token for lp in seq.logprobs])
+        entries += _entries(list(seq.logprobs), _pieces(seq.logprobs))
         offsets = []
         for token, _, _ in entries:
             offsets.append(offset)
@@ -211,6 +226,7 @@ async def _stream(ctx: ServiceContext, p: _Prepared, call: Call, include_usage: 
         return json.dumps(c.model_dump())
 
     prompt_tokens = completion_tokens = 0
+    next_offset: dict[int, int] = {}  # choice index -> text_offset of its next token
     async with ctx.gate.hold(call.priority, call.slot):
         for p_index, gen in enumerate(p.gens):
             prompt_tokens += len(gen.prompt_ids)
@@ -229,22 +245,26 @@ async def _stream(ctx: ServiceContext, p: _Prepared, call: Call, include_usage: 
                         text_offset=offsets,
                     )
                 for i in range(gen.n):
-                    choice = CompletionChoice(index=p_index * gen.n + i, text=prefix, logprobs=echoed, finish_reason=None)
+                    index = p_index * gen.n + i
+                    choice = CompletionChoice(index=index, text=prefix, logprobs=echoed, finish_reason=None)
+                    next_offset[index] = len(prefix) if echoed is None else sum(len(t) for t in echoed.tokens)
                     yield event([choice])
             async for delta in engine.generate_stream(gen):
-                completion_tokens += len(delta.token_ids)
+                completion_tokens += delta.generated_tokens
                 index = p_index * gen.n + delta.index
                 logprobs = None
                 if req.logprobs is not None and delta.logprobs:
+                    pieces = _pieces(list(delta.logprobs))
+                    start = next_offset.get(index, 0)
                     logprobs = CompletionLogprobs(
-                        tokens=[lp.token for lp in delta.logprobs],
+                        tokens=pieces,
                         token_logprobs=[lp.logprob for lp in delta.logprobs],
-                        top_logprobs=[{t: v for _, t, v in lp.top} for lp in delta.logprobs],
-                        text_offset=[0 for _ in delta.logprobs],
+                        top_logprobs=[_top(lp) for lp in delta.logprobs],
+                        text_offset=[start + sum(len(x) for x in pieces[:k]) for k in range(len(pieces))],
                     )
-                yield event(
-                    [CompletionChoice(index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)]
-                )
+                    next_offset[index] = start + sum(len(x) for x in pieces)
+                finish = delta.finish_reason
+                yield event([CompletionChoice(index=index, text=delta.text, logprobs=logprobs, finish_reason=finish)])
     if include_usage:
         usage = Usage(
             prompt_tokens=prompt_tokens,

@@ -13,12 +13,20 @@ Everything here is synchronous and runs under ``torch.inference_mode`` on the en
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from miserver.engines.base import ScoreRequest, ScoreResult, TokenLogprob
-from miserver.engines.local.generate import cache_kwarg, collect_result, generate_sequence, token_text_cache
+from miserver.engines.local.generate import (
+    TokenTexts,
+    cache_kwarg,
+    collect_result,
+    generate_sequence,
+    text_pieces,
+    token_texts,
+)
 
 #: Prompt positions whose logits are materialised at once for prompt logprobs (bounds memory: chunk x vocab floats).
 PROMPT_CHUNK = 256
@@ -96,7 +104,7 @@ def score_pack(
         raise ValueError("the prompt has no tokens")
     logits: dict[int, torch.Tensor] = {}
     prompt: dict[int, list[TokenLogprob | None]] = {}
-    token_text = token_text_cache(tokenizer)
+    texts = token_texts(tokenizer)
     if needs:
         rows = [requests[i].prompt_ids for i in needs]
         hidden = pack_hidden(model, rows, pad_id)
@@ -107,7 +115,7 @@ def score_pack(
             logits[i] = read[b]
             k = requests[i].prompt_logprobs
             if k is not None:
-                prompt[i] = prompt_logprobs(head, hidden[b, : len(rows[b])], rows[b], k, token_text)
+                prompt[i] = prompt_logprobs(head, hidden[b, : len(rows[b])], rows[b], k, texts)
     empty_cache = DynamicCache(config=model.config)  # never read: one token at most follows the prompt
     results = []
     for i, r in enumerate(requests):
@@ -131,8 +139,10 @@ def score_pack(
         if r.prompt_logprobs is None:
             results.append(ScoreResult(result))
         else:
-            texts = [token_text(int(t)) for t in r.prompt_ids]
-            results.append(ScoreResult(result, prompt.get(i, [None] * len(r.prompt_ids)), texts))
+            pieces = text_pieces(tokenizer, r.prompt_ids)
+            lps = prompt.get(i, [None] * len(r.prompt_ids))
+            with_pieces = [None if lp is None else replace(lp, text=piece) for lp, piece in zip(lps, pieces)]
+            results.append(ScoreResult(result, with_pieces, pieces))
     return results
 
 
@@ -141,12 +151,14 @@ def prompt_logprobs(
     hidden: torch.Tensor,
     ids: Sequence[int],
     k: int,
-    token_text: Callable[[int], str],
+    texts: TokenTexts,
 ) -> list[TokenLogprob | None]:
     """Each prompt token's logprob given the tokens before it, with the ``k`` most likely alternatives.
 
     ``hidden`` is ``[len(ids), hidden]`` (one row of a pack, padding cut off). The first token has nothing before
-    it: its entry is None (OpenAI's ``echo`` shape). Logits are made ``PROMPT_CHUNK`` positions at a time.
+    it: its entry is None (OpenAI's ``echo`` shape). Logits are made ``PROMPT_CHUNK`` positions at a time. Tokens
+    are rendered by ``texts``; ``token_bytes`` is each token's share of the prompt's text (nothing for a special
+    token); ``text`` is left None (the caller knows the pieces, :func:`~.generate.text_pieces`).
     """
     out: list[TokenLogprob | None] = [None]
     targets = torch.tensor(list(ids[1:]), dtype=torch.long, device=hidden.device)
@@ -159,8 +171,10 @@ def prompt_logprobs(
             token = int(ids[start + j + 1])
             top: tuple[tuple[int, str, float], ...] = ()
             if top_v is not None and top_i is not None:
-                top = tuple((int(t), token_text(int(t)), float(v)) for v, t in zip(top_v[j].tolist(), top_i[j].tolist()))
-            out.append(TokenLogprob(token, token_text(token), float(value), top))
+                pairs = zip(top_v[j].tolist(), top_i[j].tolist())
+                top = tuple((int(t), texts.token(int(t)), float(v)) for v, t in pairs)
+            top_bytes = tuple(texts.raw(t) for t, _, _ in top)
+            out.append(TokenLogprob(token, texts.token(token), float(value), top, texts.returned(token), top_bytes))
     return out
 
 
