@@ -99,7 +99,8 @@ def run_batch(bodies: list[dict[str, Any]], model: str, poll_seconds: float = PO
                 time.sleep(0.2)
             client = openai.OpenAI(base_url=base + "/v1", api_key="bench", _strict_response_validation=True)
             data = "".join(
-                json.dumps({"custom_id": f"ag-{i:03d}", "method": "POST", "url": "/v1/chat/completions", "body": b}) + "\n"
+                json.dumps({"custom_id": f"ag-{i:03d}", "method": "POST", "url": "/v1/chat/completions", "body": b})
+                + "\n"
                 for i, b in enumerate(bodies)
             ).encode()
             uploaded = client.files.create(file=("bench.jsonl", data), purpose="batch")
@@ -161,7 +162,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200, help="AG News rows, label-balanced (default: %(default)s)")
     parser.add_argument("--model", default=MODEL, help="model to serve and load (default: %(default)s)")
-    parser.add_argument("--poll-seconds", type=float, default=POLL_SECONDS, help="batch status poll interval (default: %(default)s)")
+    parser.add_argument(
+        "--poll-seconds", type=float, default=POLL_SECONDS, help="batch status poll interval (default: %(default)s)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds, in ABBA order (default: %(default)s)")
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file (default: %(default)s)")
     args = parser.parse_args()
@@ -194,9 +197,10 @@ def main() -> int:
     answers = [run.pop("answers") for runs in phases.values() for run in runs]
     same = sum(len(set(column)) == 1 for column in zip(*answers, strict=True))
     totals = {path: sum(run["seconds"] for run in runs) for path, runs in phases.items()}
-    batch = {"seconds": round(totals["batch"], 3), "rows_per_s": round(len(bodies) * args.rounds / totals["batch"], 3),
+    rows = len(bodies) * args.rounds
+    batch = {"seconds": round(totals["batch"], 3), "rows_per_s": round(rows / totals["batch"], 3),
              "runs": phases["batch"]}  # fmt: skip
-    direct = {"seconds": round(totals["direct"], 3), "rows_per_s": round(len(bodies) * args.rounds / totals["direct"], 3),
+    direct = {"seconds": round(totals["direct"], 3), "rows_per_s": round(rows / totals["direct"], 3),
               "runs": phases["direct"]}  # fmt: skip
     ratio = totals["direct"] / totals["batch"]
     print(f"all rounds: batch {batch['rows_per_s']:.3f} rows/s, direct {direct['rows_per_s']:.3f} rows/s")

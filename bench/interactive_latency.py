@@ -60,7 +60,9 @@ def main() -> None:
     chunk_rows = Settings().batch_chunk_rows
     rng = random.Random(7)
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(model=EMBEDDED_MODEL_ID, database_url=f"sqlite:///{tmp}/bench.db", data_dir=Path(tmp) / "var")
+        server = ServerProcess(
+            model=EMBEDDED_MODEL_ID, database_url=f"sqlite:///{tmp}/bench.db", data_dir=Path(tmp) / "var"
+        )
         server.start()
         try:
             client = server.client()
@@ -73,8 +75,14 @@ def main() -> None:
                 for cid, body, _ in agnews_rows(args.rows)
             ).encode()
             uploaded = client.files.create(file=("agnews.jsonl", lines), purpose="batch")
-            batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-            wait_for(lambda: (b := client.batches.retrieve(batch.id)).request_counts is not None and b.request_counts.completed >= 2, timeout=600)
+            batch = client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            wait_for(
+                lambda: (counts := client.batches.retrieve(batch.id).request_counts) is not None
+                and counts.completed >= 2,
+                timeout=600,
+            )
             started = time.perf_counter()
             start_done = client.batches.retrieve(batch.id).request_counts.completed  # type: ignore[union-attr]
             busy = []
@@ -83,7 +91,9 @@ def main() -> None:
                 busy.append(ask(client, i))
             during = client.batches.retrieve(batch.id)
             assert during.status == "in_progress", "the batch ended before the measurement did: use more --rows"
-            done = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, timeout=1800, interval=0.2)
+            done = wait_for(
+                lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, timeout=1800, interval=0.2
+            )
             elapsed = time.perf_counter() - started
         finally:
             server.stop()
@@ -105,7 +115,8 @@ def main() -> None:
     print(f"idle:          p50 {result['idle_p50_s']:.3f} s  p95 {result['idle_p95_s']:.3f} s")
     print(f"batch running: p50 {result['batch_p50_s']:.3f} s  p95 {result['batch_p95_s']:.3f} s")
     print(f"one chunk: {chunk_rows} rows x {row_s:.3f} s = {chunk_s:.3f} s")
-    print(f"goal p95(batch) <= p95(idle) + chunk: {result['batch_p95_s']:.3f} <= {result['idle_p95_s'] + chunk_s:.3f} -> {result['goal_met']}")
+    bound = result["idle_p95_s"] + chunk_s
+    print(f"goal p95(batch) <= p95(idle) + chunk: {result['batch_p95_s']:.3f} <= {bound:.3f} -> {result['goal_met']}")
     out = ROOT / "bench" / "results" / "interactive_latency.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

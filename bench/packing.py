@@ -160,7 +160,8 @@ async def paired(service: Any, ctx: ServiceContext, bodies: Sequence[Any], steps
                 together.update(zip(rows, results))
     n = len(bodies)
     return {"single": [alone[i] for i in range(n)], "packed": [together[i] for i in range(n)],
-            "single_rows_per_s": n / t_single, "packed_rows_per_s": n / t_packed, "ratio": t_single / t_packed}  # fmt: skip
+            "single_rows_per_s": n / t_single, "packed_rows_per_s": n / t_packed,
+            "ratio": t_single / t_packed}  # fmt: skip
 
 
 def decision(result: ServiceResult) -> tuple[int | str, dict[str, float]]:
@@ -202,7 +203,9 @@ async def main() -> None:
     parser.add_argument("--model", default=EMBEDDED_MODEL_ID, help="model id or path (default: the embedded SmolLM2)")
     parser.add_argument("--random-shape", choices=sorted(SHAPES), help="a randomly initialised model of this shape")
     parser.add_argument("--window", type=int, default=None, help="runner window rows (default BATCH_PACK_WINDOW_ROWS)")
-    parser.add_argument("--budget", type=int, default=None, help="runner token budget (default BATCH_PACK_TOKEN_BUDGET)")
+    parser.add_argument(
+        "--budget", type=int, default=None, help="runner token budget (default BATCH_PACK_TOKEN_BUDGET)"
+    )
     parser.add_argument("--max-padding", type=float, default=None, help="runner padding cap (BATCH_PACK_MAX_PADDING)")
     parser.add_argument("--skip-embeddings", action="store_true")
     parser.add_argument("--schemes", default=None, help="comma-separated scheme names to run (default: all)")
@@ -234,7 +237,8 @@ async def main() -> None:
     window = settings.batch_pack_window_rows
     print(f"{model} on {engine.loaded.device} ({engine.info.dtype}), {len(bodies)} rows, tokens mean "
           f"{np.mean(lengths):.1f} max {max(lengths)}; runner window {window} rows, budget "
-          f"{settings.batch_pack_token_budget} tokens, padding cap {settings.batch_pack_max_padding}; torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY "
+          f"{settings.batch_pack_token_budget} tokens, padding cap {settings.batch_pack_max_padding}; "
+          f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY "
           f"{os.environ['OMP_WAIT_POLICY']}, load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
 
     await singles(chat, ctx, bodies[:2])  # warm-up
@@ -262,7 +266,8 @@ async def main() -> None:
         "embeddings": {},
     }  # fmt: skip
     reference: list[ServiceResult] | None = None
-    print(f"{'scoring':<30}{'single/s':>9}{'packed/s':>9}{'ratio':>7}{'max |dlogprob|':>16}{'top changed':>13}", flush=True)
+    header = f"{'scoring':<30}{'single/s':>9}{'packed/s':>9}{'ratio':>7}{'max |dlogprob|':>16}{'top changed':>13}"
+    print(header, flush=True)
     wanted = set(args.schemes.split(",")) if args.schemes else {name for name, _ in schemes}
     for name, steps in schemes:
         if name not in wanted:
@@ -278,7 +283,8 @@ async def main() -> None:
               f"{agree['max_logprob_diff']:>16.2e}{agree['top_token_changed']:>13d}", flush=True)  # fmt: skip
 
     if not args.skip_embeddings:
-        print(f"{'embeddings (runner/file)':<30}{'single/s':>9}{'packed/s':>9}{'ratio':>7}{'min cosine':>16}", flush=True)
+        header = f"{'embeddings (runner/file)':<30}{'single/s':>9}{'packed/s':>9}{'ratio':>7}{'min cosine':>16}"
+        print(header, flush=True)
         input_lengths = [len(engine.tokenize(t)) for t in texts]
         for pooling in ("mean", "last"):
             rows = [{"model": model, "input": t, "encoding_format": "float", "pooling": pooling} for t in texts]

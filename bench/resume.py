@@ -73,7 +73,9 @@ def main() -> None:
                 server = start()
                 restart_s.append(time.perf_counter() - r0)
             client = server.client()
-            done = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, timeout=1800, interval=0.2)
+            done = wait_for(
+                lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, timeout=1800, interval=0.2
+            )
             out = client.files.content(done.output_file_id).text.splitlines()
         finally:
             server.stop()
@@ -98,10 +100,13 @@ def main() -> None:
         "restart_s": restart_s,
         "wall_s": wall,
     }
-    print(f"{args.rows} rows, {args.kills} kills at {points}; restarts took {', '.join(f'{s:.1f}' for s in restart_s)} s")
+    restarts = ", ".join(f"{s:.1f}" for s in restart_s)
+    print(f"{args.rows} rows, {args.kills} kills at {points}; restarts took {restarts} s")
     print(f"rows executed / rows in the file: {result['executions_per_row']:.3f} ({executions}/{args.rows})")
-    print(f"re-runs of rows in flight at a kill: {result['reruns_in_flight']}; of recorded rows: {len(recorded_reruns)}")
-    print(f"recorded rows ratio (goal 1.00): {result['recorded_rows_ratio']:.2f}; each custom_id once: {result['each_custom_id_once']}")
+    print(f"re-runs of rows in flight at a kill: {result['reruns_in_flight']}; "
+          f"of recorded rows: {len(recorded_reruns)}")  # fmt: skip
+    print(f"recorded rows ratio (goal 1.00): {result['recorded_rows_ratio']:.2f}; "
+          f"each custom_id once: {result['each_custom_id_once']}")  # fmt: skip
     out_path = ROOT / "bench" / "results" / "resume.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))

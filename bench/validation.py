@@ -51,7 +51,8 @@ def make_file(path: Path, lines: int, line_bytes: int) -> int:
                 "max_tokens": 4,
                 "temperature": 0,
             }
-            fh.write(json.dumps({"custom_id": f"row-{i:06d}", "method": "POST", "url": "/v1/chat/completions", "body": body}))
+            row = {"custom_id": f"row-{i:06d}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            fh.write(json.dumps(row))
             fh.write("\n")
     return path.stat().st_size
 
@@ -83,7 +84,10 @@ def rss_kib(pid: int, field: str) -> int:
 def memory(path: Path, work: Path) -> dict[str, float]:
     model_dir = build_tiny_model(work / "tiny")
     server = ServerProcess(
-        model=str(model_dir), served_model_name=MODEL, database_url=f"sqlite:///{work / 'bench.db'}", data_dir=work / "var"
+        model=str(model_dir),
+        served_model_name=MODEL,
+        database_url=f"sqlite:///{work / 'bench.db'}",
+        data_dir=work / "var",
     ).start()
     try:
         assert server.proc is not None
@@ -93,7 +97,9 @@ def memory(path: Path, work: Path) -> dict[str, float]:
         idle = rss_kib(pid, "VmRSS")
         t0 = time.perf_counter()
         with path.open("rb") as fh:
-            r = httpx.post(server.base_url + "/v1/files", data={"purpose": "batch"}, files={"file": ("big.jsonl", fh)}, timeout=600)
+            r = httpx.post(
+                server.base_url + "/v1/files", data={"purpose": "batch"}, files={"file": ("big.jsonl", fh)}, timeout=600
+            )
         r.raise_for_status()
         upload_s = time.perf_counter() - t0
         batch = client.post(
@@ -101,7 +107,11 @@ def memory(path: Path, work: Path) -> dict[str, float]:
             json={"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
         ).json()
         t0 = time.perf_counter()
-        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["status"] != "validating", timeout=1800, interval=0.5)
+        wait_for(
+            lambda: client.get(f"/v1/batches/{batch['id']}").json()["status"] != "validating",
+            timeout=1800,
+            interval=0.5,
+        )
         validate_s = time.perf_counter() - t0
         status = client.get(f"/v1/batches/{batch['id']}").json()
         client.post(f"/v1/batches/{batch['id']}/cancel")
@@ -130,16 +140,21 @@ def main() -> None:
         size = make_file(path, args.lines, args.line_bytes)
         print(f"file: {args.lines} lines, {size / 1e6:.1f} MB")
         s = speed(path)
-        print(f"json.loads {s['json_loads_s']:.2f} s, validation {s['validation_s']:.2f} s, ratio {s['ratio']:.2f}x (goal <= 3x)")
+        print(
+            f"json.loads {s['json_loads_s']:.2f} s, validation {s['validation_s']:.2f} s, "
+            f"ratio {s['ratio']:.2f}x (goal <= 3x)"
+        )
         m = memory(path, work)
         print(
             f"server RSS idle {m['idle_rss_mb']:.0f} MB, peak {m['peak_rss_mb']:.0f} MB, "
             f"{m['peak_above_idle_mb']:.0f} MB above idle (goal < 256 MB); upload {m['upload_s']:.1f} s, "
-            f"validation in the server {m['server_validation_s']:.1f} s ({m['rows']} rows, {m['status_after_validation']})"
+            f"validation in the server {m['server_validation_s']:.1f} s "
+            f"({m['rows']} rows, {m['status_after_validation']})"
         )
     out = ROOT / "bench" / "results" / "validation.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "lines": args.lines, "bytes": size, **s, **m}, indent=2))
+    report = {"date": datetime.date.today().isoformat(), "lines": args.lines, "bytes": size, **s, **m}
+    out.write_text(json.dumps(report, indent=2))
     print(f"written to {out}")
 
 

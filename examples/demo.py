@@ -36,7 +36,13 @@ LABELS = ("World", "Sports", "Business", "Sci/Tech")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 # Lower-case keys that name a label, searched for in an answer; the earliest match wins.
-_LABEL_KEYS = (("world", "World"), ("sport", "Sports"), ("business", "Business"), ("sci", "Sci/Tech"), ("tech", "Sci/Tech"))
+_LABEL_KEYS = (
+    ("world", "World"),
+    ("sport", "Sports"),
+    ("business", "Business"),
+    ("sci", "Sci/Tech"),
+    ("tech", "Sci/Tech"),
+)
 
 
 def parse_label(answer: str) -> str | None:
@@ -64,7 +70,8 @@ class Server:
 
     def start(self, timeout: float) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "miserver.cli", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)]
+        cmd = [sys.executable, "-m", "miserver.cli", "serve", "--port", str(self.port)]
+        cmd += ["--data-dir", str(self.data_dir)]
         print(f"starting: {' '.join(cmd[1:])}  (log: {self.log_path})")
         with self.log_path.open("ab") as log:
             # Own session: a Ctrl-C in the terminal reaches the demo only, which then cancels its batch and stops
@@ -166,7 +173,8 @@ def summarize(
     with_gold = [s for s in scored if s[3] is not None]
     if with_gold:
         right = sum(1 for s in with_gold if s[2] == s[3])
-        print(f"accuracy     {right / len(with_gold):.1%} ({right}/{len(with_gold)} against the gold labels; chance 25%)")
+        known = len(with_gold)
+        print(f"accuracy     {right / known:.1%} ({right}/{known} against the gold labels; chance 25%)")
         for label in LABELS:
             of = [s for s in with_gold if s[3] == label]
             if of:
@@ -249,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             if args.keep_server and server.proc is not None and server.proc.poll() is None:
-                print(f"server left running at {server.url} (pid {server.proc.pid}); stop it with: kill {server.proc.pid}")
+                pid = server.proc.pid
+                print(f"server left running at {server.url} (pid {pid}); stop it with: kill {pid}")
             else:
                 server.stop()
 
