@@ -338,7 +338,8 @@ def test_bom_crlf_and_blank_lines(module_server: ServerProcess) -> None:
 
 def test_no_valid_line_fails_the_batch(module_server: ServerProcess) -> None:
     client = module_server.client()
-    data = jsonl(["{oops", line("x", chat_body("y", model="no-such-model")), "", line("z", chat_body("z"), method="PUT")])
+    unknown_model = line("x", chat_body("y", model="no-such-model"))
+    data = jsonl(["{oops", unknown_model, "", line("z", chat_body("z"), method="PUT")])
     done = wait_terminal(client, submit(client, data).id)
     assert done.status == "failed"
     assert done.failed_at is not None and done.in_progress_at is None and done.completed_at is None

@@ -129,7 +129,8 @@ def test_idempotency_keys(module_server: ServerProcess) -> None:
 
 def test_gzip_download_and_exact_bytes(module_server: ServerProcess) -> None:
     client = module_server.client()
-    done = wait_terminal(client, submit(client, jsonl(line(f"r{i}", chat_body(f"\u00fcn\u00efc\u00f8de {i}")) for i in range(20))).id)
+    data = jsonl(line(f"r{i}", chat_body(f"\u00fcn\u00efc\u00f8de {i}")) for i in range(20))
+    done = wait_terminal(client, submit(client, data).id)
     meta = client.files.retrieve(done.output_file_id)  # type: ignore[arg-type]
     raw = httpx.get(
         f"{module_server.base_url}/v1/files/{done.output_file_id}/content", headers={"Accept-Encoding": "gzip"}
@@ -140,7 +141,9 @@ def test_gzip_download_and_exact_bytes(module_server: ServerProcess) -> None:
     assert len(content) == meta.bytes
     assert content.endswith(b"\n") and b"\r" not in content
     assert all(json.loads(x) for x in content.decode("utf-8").split("\n")[:-1])
-    plain = httpx.get(f"{module_server.base_url}/v1/files/{done.output_file_id}/content", headers={"Accept-Encoding": "identity"})
+    plain = httpx.get(
+        f"{module_server.base_url}/v1/files/{done.output_file_id}/content", headers={"Accept-Encoding": "identity"}
+    )
     assert "content-encoding" not in plain.headers and plain.content == content
     assert gzip.compress(content)  # sanity: the bytes are what was stored
 

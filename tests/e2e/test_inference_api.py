@@ -91,7 +91,8 @@ def test_same_seed_same_output(client: openai.OpenAI) -> None:
         return r.choices[0].message.content or ""
 
     def text(seed: int) -> str:
-        return client.completions.create(model="tiny", prompt="Once", max_tokens=12, temperature=1.0, seed=seed).choices[0].text
+        created = client.completions.create(model="tiny", prompt="Once", max_tokens=12, temperature=1.0, seed=seed)
+        return created.choices[0].text
 
     assert chat(5) == chat(5)
     assert text(5) == text(5)
@@ -414,14 +415,18 @@ def test_context_length_exceeded(client: openai.OpenAI) -> None:
     _assert_error(exc, 400, "context_length_exceeded", "messages")
 
 
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "x"}}
+
+
 def test_never_a_500(server: ServerProcess) -> None:
     """A sweep of malformed requests: every answer is a 4xx with the OpenAI envelope, never a 5xx."""
     http = server.http()
     bodies: list[Any] = [
         None, 1, "x", [], {}, {"model": None}, {"model": "tiny", "messages": None},
         {"model": "tiny", "messages": [{}]}, {"model": "tiny", "messages": [{"role": "user", "content": 5}]},
-        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        {"model": "tiny", "messages": MESSAGES, "max_tokens": -1}, {"model": "tiny", "messages": MESSAGES, "max_tokens": 0},
+        {"model": "tiny", "messages": [{"role": "user", "content": [IMAGE_PART]}]},
+        {"model": "tiny", "messages": MESSAGES, "max_tokens": -1},
+        {"model": "tiny", "messages": MESSAGES, "max_tokens": 0},
         {"model": "tiny", "messages": MESSAGES, "max_tokens": 10**12},
         {"model": "tiny", "messages": MESSAGES, "top_p": 2}, {"model": "tiny", "messages": MESSAGES, "seed": "s"},
         {"model": "tiny", "messages": MESSAGES, "stream_options": {"include_usage": "yes"}},

@@ -75,7 +75,8 @@ def test_ag_news_topics_through_the_batch_api(real_server: ServerProcess) -> Non
     started = time.monotonic()
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     done = wait_for(
-        lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed", "expired", "cancelled") and b,
+        lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed", "expired", "cancelled")
+        and b,
         timeout=1800,  # about 2 minutes on an idle 2-core machine; far longer when the cores are shared
         interval=0.5,
     )

@@ -24,7 +24,8 @@ def test_server_and_two_workers_share_a_batch_and_survive_a_worker_kill(tiny_mod
     logs = {name: tmp_path / f"{name}.executions" for name in ("server", "w1", "w2")}
     with postgres_database() as url:
         server = ServerProcess(model=str(tiny_model_dir), served_model_name="tiny", database_url=url,
-                               data_dir=tmp_path / "server", env={**env, "MISERVER_EXECUTION_LOG": str(logs["server"])})  # fmt: skip
+                               data_dir=tmp_path / "server",
+                               env={**env, "MISERVER_EXECUTION_LOG": str(logs["server"])})  # fmt: skip
         workers = [
             WorkerProcess(model=str(tiny_model_dir), served_model_name="tiny", database_url=url, name=name,
                           data_dir=tmp_path / name, env={**env, "MISERVER_EXECUTION_LOG": str(logs[name])})  # fmt: skip
@@ -35,7 +36,9 @@ def test_server_and_two_workers_share_a_batch_and_survive_a_worker_kill(tiny_mod
                 w.start()
             try:
                 client = server.client()
-                data = jsonl(line(f"r{i:03d}", chat_body(f"Row {i}: say something", max_tokens=16)) for i in range(ROWS))
+                data = jsonl(
+                    line(f"r{i:03d}", chat_body(f"Row {i}: say something", max_tokens=16)) for i in range(ROWS)
+                )
                 batch = submit(client, data)
                 wait_for(lambda: len(executions(logs["w1"])) >= 3, timeout=120)
                 workers[0].stop(sig=9)  # w1 dies holding a claimed chunk

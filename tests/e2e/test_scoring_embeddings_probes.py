@@ -20,6 +20,7 @@ import pytest
 from tests.support.batches import api_error, error_of, jsonl, line, read_lines, submit, wait_terminal
 from tests.support.server import ServerProcess, tiny_server_process
 
+
 @pytest.fixture(scope="module")
 def server(
     tiny_model_dir: Path, module_database_url: str, tmp_path_factory: pytest.TempPathFactory
@@ -89,7 +90,9 @@ def test_embeddings_sync_float_base64_and_errors(server: ServerProcess) -> None:
     assert [d.embedding for d in lenient.embeddings.create(model="tiny", input=TEXTS).data] == [
         d.embedding for d in floats.data
     ], "the SDK's default (base64) decodes to the float result"
-    last = client.embeddings.create(model="tiny", input=TEXTS[1], encoding_format="float", extra_body={"pooling": "last"})
+    last = client.embeddings.create(
+        model="tiny", input=TEXTS[1], encoding_format="float", extra_body={"pooling": "last"}
+    )
     assert last.data[0].embedding != floats.data[1].embedding
     for kwargs, param, code in [
         ({"input": "x", "dimensions": 3}, "dimensions", "unsupported_parameter"),
@@ -167,7 +170,8 @@ def test_embedding_rows_pack_false_equal_sync_and_pack_true_agrees(server: Serve
     sync = [http.post("/v1/embeddings", json=b) for b in bodies]
     out, err = run_batch(client, "/v1/embeddings", bodies, pack=False)
     for i in (0, 1, 3):
-        assert out[f"r{i}"]["response"]["body"] == sync[i].json() and out[f"r{i}"]["response"]["millm"]["packed"] is False
+        response = out[f"r{i}"]["response"]
+        assert response["body"] == sync[i].json() and response["millm"]["packed"] is False
     assert err["r2"]["response"]["body"] == sync[2].json() and sync[2].status_code == 400
     out, err = run_batch(client, "/v1/embeddings", bodies, pack=True)
     assert set(err) == {"r2"} and err["r2"]["response"]["body"] == sync[2].json()
@@ -206,8 +210,8 @@ def test_probes_create_score_sync_and_in_a_batch(server: ServerProcess) -> None:
     bodies: list[dict[str, Any]] = [{"probe": "alternating", "input": TEXTS}, {"probe": "topic", "input": "match won"},
                                     {"probe": "missing", "input": "x"}]  # fmt: skip
     sync = [http.post("/api/probes/score", json=b) for b in bodies]
-    data = jsonl([*(line(f"r{i}", b, url="/api/probes/score") for i, b in enumerate(bodies)),
-                  line("named-model", {"probe": "topic", "input": "x", "model": "tiny"}, url="/api/probes/score")])  # fmt: skip
+    named = line("named-model", {"probe": "topic", "input": "x", "model": "tiny"}, url="/api/probes/score")
+    data = jsonl([*(line(f"r{i}", b, url="/api/probes/score") for i, b in enumerate(bodies)), named])
     batch = wait_terminal(client, submit(client, data, endpoint="/api/probes/score", extra_body={"pack": True}).id)
     assert batch.status == "completed" and batch.model == "tiny"
     out = {x["custom_id"]: x for x in read_lines(client, batch.output_file_id)}

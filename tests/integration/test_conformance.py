@@ -18,6 +18,7 @@ import httpx2
 import openai
 import pytest
 from openai.types import Batch, FileObject
+from openai.types.chat import ChatCompletionMessageParam
 
 from miserver.app import create_app
 from miserver.settings import Settings
@@ -25,7 +26,9 @@ from tests.support.inprocess import Clock, hold_finishing, installed_clock, set_
 
 
 @pytest.fixture
-async def sdk(tiny_model_dir: Path, database_url: str, tmp_path: Path) -> AsyncIterator[tuple[openai.AsyncOpenAI, Clock]]:
+async def sdk(
+    tiny_model_dir: Path, database_url: str, tmp_path: Path
+) -> AsyncIterator[tuple[openai.AsyncOpenAI, Clock]]:
     settings = Settings(
         model=str(tiny_model_dir), served_model_name="tiny", database_url=database_url, data_dir=tmp_path / "var",
         batch_poll_seconds=0.05,
@@ -35,7 +38,11 @@ async def sdk(tiny_model_dir: Path, database_url: str, tmp_path: Path) -> AsyncI
         async with app.router.lifespan_context(app):
             http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://miserver/v1")
             client = openai.AsyncOpenAI(
-                base_url="http://miserver/v1", api_key="test", http_client=http, _strict_response_validation=True, max_retries=0
+                base_url="http://miserver/v1",
+                api_key="test",
+                http_client=http,
+                _strict_response_validation=True,
+                max_retries=0,
             )
             async with client:
                 yield client, clock
@@ -68,11 +75,14 @@ async def test_every_route_and_every_status_parses_strictly(
     # models and inference
     assert [m.id for m in (await client.models.list()).data] == ["tiny"]
     assert (await client.models.retrieve("tiny")).id == "tiny"
-    chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=2)
+    hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    chat = await client.chat.completions.create(model="tiny", messages=hi, max_tokens=3, logprobs=True, top_logprobs=2)
     assert chat.choices[0].logprobs is not None
     text = await client.completions.create(model="tiny", prompt="Once upon", max_tokens=3, logprobs=2)
     assert text.usage is not None and text.usage.completion_tokens <= 3
-    stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True, stream_options={"include_usage": True})
+    stream = await client.chat.completions.create(
+        model="tiny", messages=hi, max_tokens=3, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [c async for c in stream]
     assert chunks[-1].usage is not None
 
@@ -86,7 +96,9 @@ async def test_every_route_and_every_status_parses_strictly(
 
     # validating -> in_progress (held by the weights-torn flag) -> finalizing (held) -> completed
     set_weights_torn(database_url, True)
-    b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"})
+    b = await client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"}
+    )
     seen[b.status] = b
     seen["in_progress"] = await until(client, b.id, "in_progress", "weights_torn")
     release = hold_finishing(monkeypatch)
@@ -99,7 +111,9 @@ async def test_every_route_and_every_status_parses_strictly(
 
     # failed
     empty = await client.files.create(file=("empty.jsonl", b""), purpose="batch")
-    failed = await client.batches.create(input_file_id=empty.id, endpoint="/v1/chat/completions", completion_window="1h")
+    failed = await client.batches.create(
+        input_file_id=empty.id, endpoint="/v1/chat/completions", completion_window="1h"
+    )
     seen["failed"] = await until(client, failed.id, "failed")
 
     # cancelling -> cancelled (a batch held by the flag cannot finish before the cancel)
@@ -117,7 +131,9 @@ async def test_every_route_and_every_status_parses_strictly(
     seen["expired"] = await until(client, e.id, "expired")
     set_weights_torn(database_url, False)
 
-    assert set(seen) == {"validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"}
+    assert set(seen) == {
+        "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"
+    }  # fmt: skip
     for status, batch in seen.items():
         assert isinstance(batch, Batch) and batch.status == status
         assert batch.request_counts is not None and batch.usage is not None

@@ -49,8 +49,10 @@ def record(name: str, **changes: Any) -> ProbeRecord:
 
 async def test_store_round_trip_and_unique_names(store: Store) -> None:
     async with store.tx() as conn:
-        assert await store_probes.insert_probe(conn, record("a", training={"texts": 4, "C": 1.0, "train_accuracy": 1.0}))
-        assert await store_probes.insert_probe(conn, record("b", classes=[0, 1, 2], weights=[[1.0, 2.0]] * 3, bias=[0.0] * 3))
+        training = {"texts": 4, "C": 1.0, "train_accuracy": 1.0}
+        assert await store_probes.insert_probe(conn, record("a", training=training))
+        three = record("b", classes=[0, 1, 2], weights=[[1.0, 2.0]] * 3, bias=[0.0] * 3)
+        assert await store_probes.insert_probe(conn, three)
         assert not await store_probes.insert_probe(conn, record("a", id="probe_other"))
     async with store.tx() as conn:
         a = await store_probes.get_probe(conn, "a")

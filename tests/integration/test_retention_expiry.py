@@ -26,7 +26,9 @@ def clock() -> Iterator[Clock]:
 
 
 @pytest.fixture
-async def api(tiny_model_dir: Path, database_url: str, tmp_path: Path, clock: Clock) -> AsyncIterator[httpx.AsyncClient]:
+async def api(
+    tiny_model_dir: Path, database_url: str, tmp_path: Path, clock: Clock
+) -> AsyncIterator[httpx.AsyncClient]:
     settings = Settings(
         model=str(tiny_model_dir), served_model_name="tiny", database_url=database_url, data_dir=tmp_path / "var",
         batch_poll_seconds=0.05, file_prune_interval_seconds=3600,
@@ -39,10 +41,15 @@ async def api(tiny_model_dir: Path, database_url: str, tmp_path: Path, clock: Cl
             yield client
 
 
+#: the form fields of an upload that expires an hour after its creation
+AN_HOUR = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+
+
 def batch_file(n: int) -> bytes:
     return "".join(
         json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2}}) + "\n"
+                    "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}],
+                             "max_tokens": 2}}) + "\n"
         for i in range(n)
     ).encode()  # fmt: skip
 
@@ -67,13 +74,13 @@ async def poll(api: httpx.AsyncClient, batch_id: str, done: Callable[[dict[str, 
 async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     api: httpx.AsyncClient, clock: Clock, database_url: str
 ) -> None:
-    expiring = await upload(api, batch_file(1), **{"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"})
+    expiring = await upload(api, batch_file(1), **AN_HOUR)
     assert expiring["expires_at"] == expiring["created_at"] + 3600
     default = await upload(api, batch_file(1))
     assert default["expires_at"] == default["created_at"] + 30 * 86400
     # an input file that a waiting batch still needs
     set_weights_torn(database_url, True)
-    needed = await upload(api, batch_file(2), **{"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"})
+    needed = await upload(api, batch_file(2), **AN_HOUR)
     waiting = (await api.post("/v1/batches", json={"input_file_id": needed["id"], "endpoint": "/v1/chat/completions",
                                                    "completion_window": "168h"})).json()  # fmt: skip
     await poll(api, waiting["id"], lambda b: b["millm"]["waiting_reason"] == "weights_torn")
@@ -94,7 +101,9 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     assert needed["id"] in await api.app.state.miserver.runner.prune()  # type: ignore[attr-defined]
 
 
-async def test_waiting_batch_expires_with_batch_expired_lines(api: httpx.AsyncClient, clock: Clock, database_url: str) -> None:
+async def test_waiting_batch_expires_with_batch_expired_lines(
+    api: httpx.AsyncClient, clock: Clock, database_url: str
+) -> None:
     set_weights_torn(database_url, True)
     f = await upload(api, batch_file(3))
     batch = (await api.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions",

@@ -15,7 +15,9 @@ from miserver.store import rows as sr
 
 async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1") -> None:
     async with store.tx() as conn:
-        await sf.insert_file(conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1, expires_at=None, chunks=[b"x"])
+        await sf.insert_file(
+            conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1, expires_at=None, chunks=[b"x"]
+        )
         await sb.insert_batch(
             conn, batch_id=batch_id, endpoint="/v1/completions", input_file_id="file-1", completion_window="24h",
             created_at=1, expires_at=86401, metadata={"k": "v"}, pack=False, output_expires_seconds=None,
@@ -39,8 +41,9 @@ async def claim(store: Store, token: str, limit: int = 3, now_ms: int = 1000, tt
 async def record(store: Store, line: int, token: str) -> bool:
     async with store.tx() as conn:
         return await sr.record(
-            conn, batch_id="batch_1", line=line, token=token, ok=True, result='{"ok": 1}', input_tokens=3, output_tokens=2
-        )
+            conn, batch_id="batch_1", line=line, token=token, ok=True, result='{"ok": 1}', input_tokens=3,
+            output_tokens=2,
+        )  # fmt: skip
 
 
 async def test_claims_are_disjoint_and_in_line_order(store: Store) -> None:
@@ -134,7 +137,9 @@ async def test_file_bytes_round_trip_in_chunks(store: Store) -> None:
 async def test_list_files_pages_without_gaps(store: Store) -> None:
     async with store.tx() as conn:
         for i in range(7):
-            await sf.insert_file(conn, file_id=f"file-{i:02d}", purpose="batch", filename="f", created_at=i, expires_at=None, chunks=[])
+            await sf.insert_file(
+                conn, file_id=f"file-{i:02d}", purpose="batch", filename="f", created_at=i, expires_at=None, chunks=[]
+            )
     seen: list[str] = []
     after = None
     while True:

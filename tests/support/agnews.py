@@ -30,12 +30,24 @@ FEW_SHOT_SYSTEM = (
     "Sci/Tech: science, research, computers, the internet, space."
 )
 FEW_SHOTS = (
-    ("Striker scores twice as club wins the league. The forward's late goals sealed the title on the last day.", "Sports"),
+    (
+        "Striker scores twice as club wins the league. The forward's late goals sealed the title on the last day.",
+        "Sports",
+    ),
     ("Bank shares climb after strong profits. The lender earned more than expected as loan demand rose.", "Business"),
     ("New smartphone chip makes apps run faster. The processor uses less power and speeds up games.", "Sci/Tech"),
-    ("Rebels attack capital as peace talks stall. The government declared an emergency after fighting spread.", "World"),
+    (
+        "Rebels attack capital as peace talks stall. The government declared an emergency after fighting spread.",
+        "World",
+    ),
 )
-_LABEL_KEYS = (("world", "World"), ("sport", "Sports"), ("business", "Business"), ("sci", "Sci/Tech"), ("tech", "Sci/Tech"))
+_LABEL_KEYS = (
+    ("world", "World"),
+    ("sport", "Sports"),
+    ("business", "Business"),
+    ("sci", "Sci/Tech"),
+    ("tech", "Sci/Tech"),
+)
 
 
 def shared_data_dir() -> Path:
@@ -72,7 +84,9 @@ def few_shot_messages(text: str) -> list[dict[str, str]]:
     return [*messages, {"role": "user", "content": text}]
 
 
-def agnews_rows(n: int = 200, *, model: str = EMBEDDED_MODEL_ID, max_tokens: int = 4) -> list[tuple[str, dict[str, Any], str]]:
+def agnews_rows(
+    n: int = 200, *, model: str = EMBEDDED_MODEL_ID, max_tokens: int = 4
+) -> list[tuple[str, dict[str, Any], str]]:
     """``n`` label-balanced rows (deterministic: the first n/4 items of each label in file order) as
     ``(custom_id, chat body, gold label)``, interleaved across labels; zero-shot prompt (:data:`SYSTEM`)."""
     per_label = -(-n // len(LABELS))

@@ -63,7 +63,8 @@ async def test_score_chooses_what_generate_chooses(engine: LocalEngine, params: 
             assert a.logprobs is not None and b.logprobs is not None
             assert a.logprobs[0].top[0][0] == b.logprobs[0].top[0][0]
             assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < TOL
-        assert (scored.prompt_tokens, scored.completion_tokens) == (generated.prompt_tokens, generated.completion_tokens)
+        assert scored.prompt_tokens == generated.prompt_tokens
+        assert scored.completion_tokens == generated.completion_tokens
 
 
 async def test_score_handles_eos_like_generate(engine: LocalEngine) -> None:
@@ -76,7 +77,8 @@ async def test_score_handles_eos_like_generate(engine: LocalEngine) -> None:
         gen = (await engine.generate(req.generation)).sequences[0]
     finally:
         engine.eos_ids = saved
-    assert (seq.token_ids, seq.text, seq.finish_reason) == ([], "", "stop") == (gen.token_ids, gen.text, gen.finish_reason)
+    assert (seq.token_ids, seq.text, seq.finish_reason) == ([], "", "stop")
+    assert (gen.token_ids, gen.text, gen.finish_reason) == ([], "", "stop")
 
 
 async def test_prompt_logprobs_equal_a_plain_forward_pass(engine: LocalEngine) -> None:
@@ -189,7 +191,9 @@ def chat_body(text: str, **extra: Any) -> dict[str, Any]:
             "top_logprobs": 2, "seed": 5, **extra}  # fmt: skip
 
 
-async def many(service: Any, ctx: ServiceContext, bodies: list[Any], plan: Any = None, call: Call | None = None) -> dict[int, Outcome]:
+async def many(
+    service: Any, ctx: ServiceContext, bodies: list[Any], plan: Any = None, call: Call | None = None
+) -> dict[int, Outcome]:
     call = call or Call(strict=True, priority=Priority.BATCH)
     plan = plan or (lambda lengths: budget_packs(lengths, 4096))
     return {o.index: o async for o in service.create_many(ctx, bodies, call, plan)}
@@ -241,7 +245,8 @@ async def test_chat_many_rows_answer_as_create(ctx: ServiceContext) -> None:
 
 
 async def test_completions_echo_scoring_shape_and_many_rows(ctx: ServiceContext, engine: LocalEngine) -> None:
-    body = {"model": "tiny", "prompt": ["The cat sat on the mat", "Dogs bark"], "max_tokens": 0, "echo": True, "logprobs": 2}
+    prompts = ["The cat sat on the mat", "Dogs bark"]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 2}
     result = await single(completions, ctx, body)
     assert isinstance(result, ServiceResult)
     first = result.body["choices"][0]

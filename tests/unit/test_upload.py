@@ -55,7 +55,12 @@ async def test_upload_spools_exact_bytes(tmp_path: Path) -> None:
     ("limits", "content", "code", "numbers"),
     [
         ({"max_file_bytes": 50}, b"{}\n" * 40, "file_too_large", ("120 bytes", "50 bytes")),
-        ({"max_line_bytes": 10}, b"{}\n" + b"{" + b" " * 20 + b"}\n", "line_too_large", ("Line 2", "22 bytes", "10 bytes")),
+        (
+            {"max_line_bytes": 10},
+            b"{}\n" + b"{" + b" " * 20 + b"}\n",
+            "line_too_large",
+            ("Line 2", "22 bytes", "10 bytes"),
+        ),
         ({"max_rows": 3}, b"{}\n" * 5, "too_many_rows", ("5 request lines", "limit is 3")),
     ],
 )
@@ -72,4 +77,6 @@ async def test_limits_name_limit_and_measured_value(
 
 async def test_not_multipart_is_400(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError):
-        await receive_upload("application/json", pieces(b"{}"), tmp_dir=tmp_path, max_file_bytes=1, max_line_bytes=1, max_rows=1)
+        await receive_upload(
+            "application/json", pieces(b"{}"), tmp_dir=tmp_path, max_file_bytes=1, max_line_bytes=1, max_rows=1
+        )
