@@ -12,7 +12,7 @@ result) or as one right-padded pack of many (``score_many``, ``embed_many``: the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -183,7 +183,6 @@ class EngineInfo:
     dtype: str
     weights_revision: str
     context_length: int
-    extra_ids: tuple[str, ...] = field(default=())
     hidden_size: int = 0
     num_layers: int = 0
 
