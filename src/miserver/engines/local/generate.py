@@ -55,7 +55,8 @@ def cache_kwarg(model_type: type) -> str:
     """The name of ``model_type.forward``'s cache argument: ``cache`` in recent transformers 5 releases,
     ``past_key_values`` before (now deprecated)."""
     if model_type not in _CACHE_KWARGS:
-        params = inspect.signature(getattr(model_type, "forward")).parameters
+        # getattr: ``forward`` is not on ``type`` for the type checker
+        params = inspect.signature(getattr(model_type, "forward")).parameters  # noqa: B009
         _CACHE_KWARGS[model_type] = "cache" if "cache" in params else "past_key_values"
     return _CACHE_KWARGS[model_type]
 

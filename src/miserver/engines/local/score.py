@@ -69,7 +69,8 @@ def pack_hidden(model: PreTrainedModel, rows: Sequence[Sequence[int]], pad_id: i
     common = shared_prefix(rows)
     if common < MIN_SHARED_PREFIX:
         out = base(input_ids=padded_ids(rows, pad_id, model.device), use_cache=False, output_hidden_states=want_all)
-        return out.hidden_states[layer] if want_all else out.last_hidden_state
+        hidden: torch.Tensor = out.hidden_states[layer] if want_all else out.last_hidden_state
+        return hidden
     cache = DynamicCache(config=model.config)
     kwarg = cache_kwarg(type(base))
     prefix_ids = torch.tensor([list(rows[0][:common])], dtype=torch.long, device=model.device)
@@ -108,7 +109,7 @@ def score_pack(
     if needs:
         rows = [requests[i].prompt_ids for i in needs]
         hidden = pack_hidden(model, rows, pad_id)
-        head = model.get_output_embeddings()
+        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         last = torch.tensor([len(r) - 1 for r in rows], device=hidden.device)
         read = head(hidden[torch.arange(len(rows), device=hidden.device), last]).float()  # [rows, vocab]
         for b, i in enumerate(needs):
