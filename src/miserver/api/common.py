@@ -2,45 +2,53 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import InvalidRequestError
+from ..services.common import decode_json
 from ..services.context import ServiceContext, ServiceResult, StreamResult
+from ..services.residency import Residency
 from ..settings import Settings
 from ..store import Store
 
 
+class RunnerHandle(Protocol):
+    """What the routes need of the batch runner (``batches.runner.BatchRunner``): a nudge to look at the batches
+    now (after a create, a cancel, a lease handed over, a model loaded) instead of at its next poll."""
+
+    def wake(self) -> None:
+        """Make the runner step soon; returns at once."""
+        ...
+
+
 @dataclass
 class AppState:
-    """Everything the routes reach through ``request.app.state.miserver``."""
+    """Everything the routes reach through ``request.app.state.miserver``: settings, the store (units of work
+    only: routes call services, services call the store), the services' context, the runner handle, the model
+    residency manager, and the start time (Unix seconds)."""
 
     settings: Settings
     store: Store
     ctx: ServiceContext
-    runner: Any  # batches.runner.BatchRunner (typed loosely to keep api/ free of the runner's imports)
-    residency: Any  # services.residency.Residency
+    runner: RunnerHandle
+    residency: Residency
     started_at: int = 0
 
 
 def state(request: Request) -> AppState:
-    return request.app.state.miserver  # type: ignore[no-any-return]
+    """The application's :class:`AppState` (set by the lifespan of ``create_app``)."""
+    st = request.app.state.miserver
+    assert isinstance(st, AppState), "the application state is set by create_app's lifespan"
+    return st
 
 
 async def json_body(request: Request) -> Any:
-    """The decoded JSON body; 400 ``invalid_json`` when it does not parse."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise InvalidRequestError(
-            "We could not parse the JSON body of your request. Send valid JSON with Content-Type: application/json.",
-            code="invalid_json",
-        ) from None
+    """The decoded JSON body (any JSON value); 400 ``invalid_json`` when it does not parse."""
+    return decode_json(await request.body())
 
 
 def strict_mode(request: Request) -> bool:
@@ -63,7 +71,7 @@ def to_response(result: ServiceResult | StreamResult) -> Response:
     """A service's result as an HTTP response (JSON, or Server-Sent Events for a stream)."""
     if isinstance(result, StreamResult):
 
-        async def sse() -> Any:
+        async def sse() -> AsyncIterator[str]:
             async for payload in result.events:
                 yield f"data: {payload}\n\n"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
+
 from ..scheduler import Priority
 from ..store import rows as store_rows
 from .common import state
@@ -20,7 +21,7 @@ async def health() -> dict[str, str]:
 @router.get("/api/health/detailed")
 async def health_detailed(request: Request) -> dict[str, Any]:
     st = state(request)
-    async with st.store.engine.connect() as conn:
+    async with st.store.read() as conn:
         backlog = await store_rows.backlog_rows(conn)
     gate = st.ctx.gate
     lease = st.ctx.leases.current()
@@ -31,7 +32,10 @@ async def health_detailed(request: Request) -> dict[str, Any]:
         "inference": {
             "batch_backlog_rows": backlog,
             "slots": {"total": gate.slots, "in_use": gate.in_use},
-            "queues": {"interactive": gate.queue_length(Priority.INTERACTIVE), "batch": gate.queue_length(Priority.BATCH)},
+            "queues": {
+                "interactive": gate.queue_length(Priority.INTERACTIVE),
+                "batch": gate.queue_length(Priority.BATCH),
+            },
         },
         "model": None
         if engine is None

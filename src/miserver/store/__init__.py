@@ -1,7 +1,9 @@
 """The durable store: the only package that speaks SQL (SQLAlchemy 2 Core; SQLite embedded, PostgreSQL in production).
 
-Use :class:`Store` for the engine and transactions; the modules ``files``, ``batches`` and ``rows`` hold the named
-statements, each a function of an open connection.
+:class:`Store` owns the units of work: :meth:`Store.tx` (one transaction), :meth:`Store.read` (reads that write
+nothing) and :meth:`Store.file_content` (a file's bytes streamed in short reads). The modules ``files``,
+``batches`` and ``rows`` hold the named statements, each a function of an open connection. Code outside ``store/``
+never touches the engine.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from . import db
+from . import db, files
 
 
 class Store:
@@ -22,6 +24,7 @@ class Store:
 
     def __init__(self, url: str, engine: AsyncEngine, lock: db.ProcessLock | None = None) -> None:
         self.url = url
+        #: The async engine: for ``store/`` itself and store tests. Everything else goes through the methods below.
         self.engine = engine
         self.is_sqlite = db.is_sqlite(url)
         self._lock = lock
@@ -47,6 +50,17 @@ class Store:
         """A connection inside one transaction, committed on exit, rolled back on error."""
         async with self.engine.begin() as conn:
             yield conn
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A connection for reads that write nothing (health, counters); rolled back on exit."""
+        async with self.engine.connect() as conn:
+            yield conn
+
+    def file_content(self, file_id: str) -> AsyncIterator[bytes]:
+        """The bytes of file ``file_id`` in its stored pieces (1 MiB), one short read per piece: bounded memory and
+        no transaction held between pieces (a slow reader never blocks writers). Yields nothing for no such file."""
+        return files.iter_content(self.engine, file_id)
 
     @property
     def skip_locked(self) -> bool:
