@@ -38,6 +38,55 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.envelope(), status_code=exc.status_code)
 
 
+class ServerErrors:
+    """ASGI middleware: an unhandled exception becomes the OpenAI 500 envelope, sent as an ordinary response.
+
+    Starlette's own last-resort handler sends its 500 and then re-raises, and uvicorn answers a re-raised exception
+    by closing the connection: the client's next request on that keep-alive connection would fail. Here the
+    exception ends with the response. Only when the response had already started (a stream cut short) is there
+    nothing left to say, and the exception goes on.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error", exc_info=exc)
+            await _error_response(ServerError(SERVER_ERROR_MESSAGE))(scope, receive, send)
+
+
+class TrailingSlash:
+    """ASGI middleware: ``/v1/files/`` is routed as ``/v1/files`` (no route of miServer ends with a slash), so a
+    trailing slash answers exactly what the route answers, never a redirect that would drop a POST body."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            raw = scope.get("raw_path")
+            if isinstance(raw, bytes) and raw.endswith(b"/"):
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None, *, engine_factory: EngineFactory | None = None) -> FastAPI:
     """Build the HTTP application. ``engine_factory(settings)`` may replace model loading (tests).
 
@@ -73,9 +122,11 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             await events.stop()
             await runtime.close()
 
-    app = FastAPI(title="miServer", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="miServer", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    app.add_middleware(ServerErrors)  # innermost: the 500 still gets x-request-id
     # gzip for clients that ask (Accept-Encoding); Server-Sent Events are never compressed
     app.add_middleware(GZipMiddleware, minimum_size=1024)
+    app.add_middleware(TrailingSlash)
 
     @app.middleware("http")
     async def request_id(request: Request, call_next: Callable[[Request], Any]) -> Response:
@@ -104,11 +155,6 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             return JSONResponse(e.envelope(), status_code=405)
         e = APIError(str(exc.detail))
         return JSONResponse(e.envelope(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def server_error(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return _error_response(ServerError(SERVER_ERROR_MESSAGE))
 
     for module in (inference_api, models_api, files_api, batches_api, leases_api, health_api):
         app.include_router(module.router)

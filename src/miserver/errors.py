@@ -56,6 +56,12 @@ class UnsupportedParameterError(InvalidRequestError):
     default_code = "unsupported_parameter"
 
 
+class UnsupportedValueError(InvalidRequestError):
+    """400: a value this engine cannot honour in a field it knows (an image content part for a text-only model)."""
+
+    default_code = "unsupported_value"
+
+
 class ContextLengthError(InvalidRequestError):
     """400: the prompt plus ``max_tokens`` does not fit the model's context."""
 

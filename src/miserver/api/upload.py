@@ -7,13 +7,14 @@ that the 413 can name the measured value; nothing is stored then.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -26,7 +27,7 @@ MAX_FIELD_BYTES = 65536
 class LineCounter:
     """Counts bytes, request lines (non-blank) and the longest line of a stream fed in pieces."""
 
-    bytes: int = 0
+    bytes: int = 0  # in this class, the builtin type is ``builtins.bytes``
     rows: int = 0
     longest_line: int = 0
     longest_line_number: int = 0
@@ -34,7 +35,8 @@ class LineCounter:
     _line_blank: bool = True
     _line_number: int = 1
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: builtins.bytes) -> None:
+        """Count one piece of the stream."""
         self.bytes += len(data)
         parts = data.split(b"\n")
         for i, part in enumerate(parts):
@@ -73,6 +75,20 @@ class Upload:
             self.path = None
 
 
+@dataclass
+class _Part:
+    """The multipart part being parsed: its headers, field name, and where its bytes go (the spooled file for
+    ``file``, ``value`` for a small field, nowhere for a repeated field)."""
+
+    headers: dict[bytes, bytes] = field(default_factory=dict)
+    header_name: bytes = b""
+    header_value: bytes = b""
+    name: str = ""
+    value: bytes = b""
+    sink: BinaryIO | None = None
+    skip: bool = False
+
+
 async def receive_upload(
     content_type: str,
     body: AsyncIterator[bytes],
@@ -84,7 +100,8 @@ async def receive_upload(
 ) -> Upload:
     """Parse a ``multipart/form-data`` body from ``body`` chunks.
 
-    Raises :class:`InvalidRequestError` (400) for a body that is not multipart, and :class:`PayloadTooLargeError`
+    Raises :class:`InvalidRequestError` (400) for a body that is not multipart or that repeats a field (two
+    ``file`` parts: the field is named), and :class:`PayloadTooLargeError`
     (413) naming the limit and the measured value when the file part has more than ``max_file_bytes`` bytes, a line
     longer than ``max_line_bytes`` or more than ``max_rows`` request lines. On error nothing is left on disk.
     """
@@ -96,61 +113,64 @@ async def receive_upload(
         )
     tmp_dir.mkdir(parents=True, exist_ok=True)
     upload = Upload()
-    state: dict[str, object] = {"headers": {}, "field": b"", "name": None, "sink": None, "hname": b"", "hval": b""}
+    part = _Part()
     too_large_field: list[str] = []
+    seen: set[str] = set()
+    repeated: list[str] = []  # a field sent twice: refused by name, never "the last one wins"
 
     def on_header_field(data: bytes, start: int, end: int) -> None:
-        state["hname"] = bytes(state["hname"]) + data[start:end]  # type: ignore[arg-type]
+        part.header_name += data[start:end]
 
     def on_header_value(data: bytes, start: int, end: int) -> None:
-        state["hval"] = bytes(state["hval"]) + data[start:end]  # type: ignore[arg-type]
+        part.header_value += data[start:end]
 
     def on_header_end() -> None:
-        headers = state["headers"]
-        assert isinstance(headers, dict)
-        headers[bytes(state["hname"]).lower()] = bytes(state["hval"])  # type: ignore[arg-type]
-        state["hname"], state["hval"] = b"", b""
+        part.headers[part.header_name.lower()] = part.header_value
+        part.header_name, part.header_value = b"", b""
 
     def on_headers_finished() -> None:
-        headers = state["headers"]
-        assert isinstance(headers, dict)
-        _, disp = parse_options_header(headers.get(b"content-disposition", b""))
+        _, disp = parse_options_header(part.headers.get(b"content-disposition", b""))
         name = disp.get(b"name", b"").decode("utf-8", "replace")
-        state["name"] = name
-        state["field"] = b""
+        part.name, part.value = name, b""
+        part.skip = name in seen
+        if part.skip:
+            repeated.append(name)
+            return
+        seen.add(name)
         if name == "file":
             fd, path = tempfile.mkstemp(prefix="upload-", suffix=".part", dir=tmp_dir)
-            upload.discard()
             upload.path = Path(path)
             upload.counter = LineCounter()
             upload.sha256 = hashlib.sha256()
             upload.filename = disp.get(b"filename", b"upload.jsonl").decode("utf-8", "replace") or "upload.jsonl"
-            state["sink"] = os.fdopen(fd, "wb")
+            part.sink = os.fdopen(fd, "wb")
 
     def on_part_data(data: bytes, start: int, end: int) -> None:
+        if part.skip:
+            return
         piece = data[start:end]
-        sink = state["sink"]
-        if sink is not None:
+        if part.sink is not None:
             upload.counter.feed(piece)
             upload.sha256.update(piece)
             if upload.counter.bytes <= max_file_bytes:
-                sink.write(piece)  # type: ignore[attr-defined]
+                part.sink.write(piece)
         else:
-            value = bytes(state["field"]) + piece  # type: ignore[arg-type]
+            value = part.value + piece
             if len(value) > MAX_FIELD_BYTES:
-                too_large_field.append(str(state["name"]))
+                too_large_field.append(part.name)
                 value = value[:MAX_FIELD_BYTES]
-            state["field"] = value
+            part.value = value
 
     def on_part_end() -> None:
-        sink = state["sink"]
-        if sink is not None:
-            sink.close()  # type: ignore[attr-defined]
+        if part.skip:
+            part.skip = False
+        elif part.sink is not None:
+            part.sink.close()
             upload.counter.finish()
-            state["sink"] = None
-        elif state["name"]:
-            upload.fields[str(state["name"])] = bytes(state["field"]).decode("utf-8", "replace")  # type: ignore[arg-type]
-        state["headers"] = {}
+            part.sink = None
+        elif part.name:
+            upload.fields[part.name] = part.value.decode("utf-8", "replace")
+        part.headers = {}
 
     parser = MultipartParser(
         boundary,
@@ -172,10 +192,15 @@ async def receive_upload(
         raise
     except Exception as exc:
         upload.discard()
-        sink = state["sink"]
-        if sink is not None:
-            sink.close()  # type: ignore[attr-defined]
+        if part.sink is not None:
+            part.sink.close()
         raise InvalidRequestError(f"The multipart body could not be parsed: {exc}.", param="file") from None
+    if repeated:
+        upload.discard()
+        raise InvalidRequestError(
+            f"The form has more than one '{repeated[0]}' part; send each field once (one file per upload).",
+            param=repeated[0],
+        )
     if too_large_field:
         upload.discard()
         raise InvalidRequestError(f"The form field '{too_large_field[0]}' is too long.", param=too_large_field[0])

@@ -19,6 +19,7 @@ from ..errors import (
     UnknownParameterError,
 )
 from ..ids import random_id
+from ..protocol.common import check_text, find_unpaired_surrogate
 from ..services.context import ServiceContext
 from ..services.registry import SERVICES
 
@@ -115,6 +116,12 @@ def check_line(
         return None, None, None, InvalidRequestError(f"Line is not valid JSON: {exc.msg}.", code="invalid_json_line")
     if not isinstance(obj, dict):
         return None, None, None, InvalidRequestError("Line must be a JSON object.", code="invalid_json_line")
+    try:  # the line's own fields; the body's strings are the service's to check (named as the route names them)
+        check_text({k: v for k, v in obj.items() if k != "body"})
+    except InvalidRequestError as exc:
+        cid = obj.get("custom_id")
+        clean = cid if isinstance(cid, str) and find_unpaired_surrogate(cid) is None else None
+        return clean, None, None, exc
     cid = obj.get("custom_id")
     custom_id = cid if isinstance(cid, str) else None
     for key in LINE_KEYS:

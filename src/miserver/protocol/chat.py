@@ -5,11 +5,12 @@ Source: the OpenAI Chat Completions API reference; only text content is served b
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Discriminator, Field, Tag
+from pydantic_core import PydanticCustomError
 
-from .common import SEED_MAX, SEED_MIN, ChatTokenLogprob, RequestModel, ResponseModel, Usage
+from .common import SEED_MAX, SEED_MIN, ChatTokenLogprob, RequestModel, ResponseModel, Stop, Usage
 
 
 class TextContentPart(RequestModel):
@@ -19,11 +20,68 @@ class TextContentPart(RequestModel):
     text: str
 
 
+#: Content part types of OpenAI's chat API that a text-only model cannot read, with the words of their refusal.
+UNREADABLE_PARTS = {
+    "image_url": "image content",
+    "input_audio": "audio content",
+    "audio": "audio content",
+    "file": "file content",
+    "refusal": "a refusal part",
+}
+PART_TYPES = ("text", *UNREADABLE_PARTS)
+
+
+def _refuse_part(kind: str) -> str:
+    raise PydanticCustomError(
+        "unsupported_value",
+        f"{UNREADABLE_PARTS[kind]} ('{kind}' part) is not supported by this model, which reads text only; send the "
+        "content as text parts.",
+    )
+
+
+def _unknown_part(kind: str) -> str:
+    supported = ", ".join(f"'{t}'" for t in PART_TYPES)
+    raise PydanticCustomError(
+        "invalid_value",
+        f"'{kind}' is not a content part type (OpenAI's types are {supported}; this model reads 'text' only).",
+    )
+
+
+class UnreadablePart(RequestModel):
+    """A known content part that the model cannot read (image, audio, file): refused on its ``type``."""
+
+    type: Annotated[str, AfterValidator(_refuse_part)]
+
+
+class UnknownPart(RequestModel):
+    """A content part of no known type: refused on its ``type`` (400 ``invalid_value``)."""
+
+    type: Annotated[str, AfterValidator(_unknown_part)]
+
+
+def _part_kind(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", "text")
+    if kind == "text" or not isinstance(part, (dict, RequestModel)):
+        return "text"
+    return "unreadable" if kind in UNREADABLE_PARTS else "unknown"
+
+
+#: One part of a message's content, told apart by its ``type`` so that an error names the right field: a text part
+#: missing ``text`` is ``...text``; an image part is refused on ``...type``, whatever else it carries.
+ContentPart = Annotated[
+    Annotated[TextContentPart, Tag("text")]
+    | Annotated[UnreadablePart, Tag("unreadable")]
+    | Annotated[UnknownPart, Tag("unknown")],
+    Discriminator(_part_kind),
+]
+
+
 class ChatMessage(RequestModel):
-    """One conversation turn. ``content`` is a string or a list of text parts."""
+    """One conversation turn. ``content`` is a string or a list of text parts. ``name`` is declared so that the
+    service can refuse it by name (the resident model's chat template has no place for it)."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -32,7 +90,7 @@ class ChatMessage(RequestModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
 
 
 class StreamOptions(RequestModel):
@@ -49,7 +107,7 @@ class ChatCompletionRequest(RequestModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=128)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)

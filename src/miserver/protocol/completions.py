@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from .chat import StreamOptions
-from .common import SEED_MAX, SEED_MIN, RequestModel, ResponseModel, Usage
+from .common import SEED_MAX, SEED_MIN, RequestModel, ResponseModel, Stop, Usage
 
 #: A prompt: one string, several strings, one token-id list, or several token-id lists.
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -23,7 +23,7 @@ class CompletionRequest(RequestModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=128)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = None

@@ -18,7 +18,7 @@ from ..errors import InvalidRequestError, UnsupportedParameterError
 from ..ids import now, random_id
 from ..protocol.common import Usage, carried_fields, parse_request
 from ..protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from .common import check_context, check_stop, refuse_unsupported
+from .common import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
 
@@ -36,6 +36,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRe
     if req.suffix:
         raise UnsupportedParameterError("Unsupported parameter: 'suffix' is not supported.", param="suffix")
     check_stop(req.stop)
+    check_stream_options(req.stream, req.stream_options)
     if isinstance(req.prompt, list) and len(req.prompt) == 0:
         raise InvalidRequestError("Invalid 'prompt': it must not be empty.", param="prompt")
     engine = ctx.resolve_model(req.model)
