@@ -60,8 +60,8 @@ class ServerProcess:
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         env = {**os.environ, **self.extra_env}
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -165,8 +165,10 @@ class WorkerProcess:
                "--data-dir", str(self.data_dir), "--model", self.model, "--worker-id", self.name]  # fmt: skip
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env})
+        with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env}
+            )
         wait_for(lambda: self.proc.poll() is not None or f"worker {self.name} ready" in self.log(), timeout=timeout)
         if self.proc.poll() is not None:
             raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
