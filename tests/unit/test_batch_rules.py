@@ -25,6 +25,7 @@ from miserver.services import files as files_service
 from miserver.services.batches import BatchCreate, check, check_input_file, check_metadata, window_hours
 from miserver.services.files import FileUpload, check_purpose, content_expired, expires_at
 from miserver.store import Store
+from miserver.store import batches as store_batches
 from miserver.store.files import FileRecord
 from miserver.store.schema import batches as batches_table
 from tests.support.inprocess import Clock, installed_clock
@@ -419,6 +420,25 @@ async def test_cancel(sqlite_store: Store, tmp_path: Path, clock: Clock) -> None
             await batches_service.cancel_batch(sqlite_store, batch_id)
         check_error(info, "batch_id", "batch_not_cancellable")
         assert (await batches_service.retrieve_batch(sqlite_store, batch_id))["status"] == status
+
+
+async def test_hand_lease(sqlite_store: Store, tmp_path: Path, clock: Clock) -> None:
+    file_id = str((await create_file(sqlite_store, upload(spool(tmp_path, b"{}\n"))))["id"])
+    batch_id = str((await create_batch(sqlite_store, batch_form(file_id)))["id"])
+    answer = await batches_service.hand_lease(sqlite_store, batch_id, "lease-1")
+    assert answer["id"] == batch_id and answer["status"] == "validating"
+    async with sqlite_store.read() as conn:
+        stored = await store_batches.get_batch(conn, batch_id)
+    assert stored is not None and stored.caller_lease == "lease-1"
+    with pytest.raises(NotFoundError) as missing:
+        await batches_service.hand_lease(sqlite_store, "batch_none", "lease-1")
+    check_error(missing, "batch_id", "not_found")
+    async with sqlite_store.tx() as conn:
+        await conn.execute(sa.update(batches_table).where(batches_table.c.id == batch_id).values(status="completed"))
+    with pytest.raises(ConflictError) as finished:
+        await batches_service.hand_lease(sqlite_store, batch_id, "lease-2")
+    check_error(finished, "batch_id", "batch_finished")
+    assert "completed" in finished.value.message
 
 
 async def test_paging_checks(sqlite_store: Store, tmp_path: Path, clock: Clock) -> None:

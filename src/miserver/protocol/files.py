@@ -8,6 +8,11 @@ from .common import ResponseModel
 
 FilePurpose = Literal["batch", "batch_output"]
 
+#: Bounds of an expiry in seconds after ``created_at``: a file's ``expires_after[seconds]`` and a batch's
+#: ``output_expires_after.seconds`` (1 hour to 30 days, inclusive).
+EXPIRES_AFTER_MIN_SECONDS = 3600
+EXPIRES_AFTER_MAX_SECONDS = 2_592_000
+
 
 class FileObject(ResponseModel):
     """A stored file. ``bytes`` is the exact content length; times are integer Unix seconds."""

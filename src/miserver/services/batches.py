@@ -20,6 +20,8 @@ from ..errors import ConflictError, InvalidRequestError, NotFoundError
 from ..ids import now, ordered_id
 from ..protocol.batches import (
     BATCH_ENDPOINTS,
+    BATCH_STATUSES,
+    TERMINAL,
     Batch,
     BatchCreateRequest,
     BatchError,
@@ -48,6 +50,8 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 #: ``GET /v1/batches``: ``limit`` is 1..this.
 LIST_LIMIT_MAX = 100
+#: The statuses of a batch that has not finished.
+LIVE_STATUSES: tuple[str, ...] = tuple(s for s in BATCH_STATUSES if s not in TERMINAL)
 
 
 @dataclass(frozen=True)
@@ -264,4 +268,25 @@ async def cancel_batch(store: Store, batch_id: str) -> dict[str, Any]:
         raise ConflictError(
             f"Cannot cancel a batch with status '{batch.status}'.", param="batch_id", code="batch_not_cancellable"
         )
+    return batch_object(batch)
+
+
+async def hand_lease(store: Store, batch_id: str, lease: str) -> dict[str, Any]:
+    """Run a batch that has not finished under the caller's lease ``lease`` (checked live by the caller) from now
+    on; returns the Batch object (the caller then wakes the runner).
+
+    Raises 404 ``not_found``, and 409 ``batch_finished`` when the batch has ended (before the read, or between the
+    read and the guarded write).
+    """
+    async with store.tx() as conn:
+        batch = await store_batches.get_batch(conn, batch_id)
+        if batch is None:
+            raise not_found(batch_id)
+        try:
+            await store_batches.set_fields(conn, batch_id, LIVE_STATUSES, caller_lease=lease)
+        except store_batches.StaleStatus:
+            status = await store_batches.get_status(conn, batch_id) or batch.status
+            raise ConflictError(f"The batch is {status}.", param="batch_id", code="batch_finished") from None
+        batch = await store_batches.get_batch(conn, batch_id)
+    assert batch is not None
     return batch_object(batch)

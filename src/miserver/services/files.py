@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..errors import ConflictError, FileExpiredError, InvalidRequestError, MissingParameterError, NotFoundError
 from ..ids import now, ordered_id
-from ..protocol.files import FileDeleted, FileObject
+from ..protocol.files import EXPIRES_AFTER_MAX_SECONDS, EXPIRES_AFTER_MIN_SECONDS, FileDeleted, FileObject
 from ..store import Store
 from ..store import files as store_files
 from ..store.files import FileRecord
@@ -27,9 +27,6 @@ from .idempotency import Keyed, check_key, create_once
 
 #: The one purpose an upload may name (``batch_output`` files are written by the server).
 UPLOAD_PURPOSE = "batch"
-#: Bounds of ``expires_after[seconds]`` (and of a batch's ``output_expires_after.seconds``), in seconds.
-EXPIRES_AFTER_MIN_SECONDS = 3600
-EXPIRES_AFTER_MAX_SECONDS = 2_592_000
 #: ``GET /v1/files``: ``limit`` is 1..this, and this is the default.
 LIST_LIMIT_MAX = 10000
 #: Bytes read from the spooled upload per piece handed to the store.
