@@ -178,6 +178,13 @@ def test_unpaired_surrogates_are_400_naming_the_field(
     assert "unpaired surrogate" in err["message"]
 
 
+def test_a_field_name_with_a_surrogate_and_a_body_nested_too_deeply(http: httpx.Client) -> None:
+    r = post_raw(http, "/v1/chat/completions", json.dumps({**CHAT_BODY, f"x{SUR}": 1}))
+    assert r.status_code == 400 and error(r)["param"] == "x\\ud800" and "field name" in error(r)["message"]
+    r = post_raw(http, "/v1/chat/completions", "[" * 100_000 + "]" * 100_000)
+    assert r.status_code == 400 and error(r)["code"] == "invalid_json"
+
+
 def test_a_batch_line_with_a_surrogate_custom_id_fails_alone(sdk: openai.OpenAI) -> None:
     body = {"model": "tiny", "messages": USER, "max_tokens": 2}
     data = "".join(

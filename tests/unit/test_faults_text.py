@@ -184,6 +184,22 @@ def test_every_json_body_is_checked_where_it_is_decoded() -> None:
     assert decode_json(b'{"holder": "\\ud83d\\ude00"}') == {"holder": "\U0001f600"}
 
 
+def test_json_nested_past_the_parser_limit_is_a_400_not_a_crash(ctx: ServiceContext) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(APIError) as info:
+        decode_json(deep.encode())
+    assert (info.value.status_code, info.value.code) == (400, "invalid_json")
+    raw = ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": ' + deep + "}").encode()
+    _, _, _, err = check_line(ctx, CHAT, raw, set())
+    assert err is not None and err.code == "invalid_json_line"
+
+
+def test_a_surrogate_deep_inside_is_found_without_recursion() -> None:
+    with pytest.raises(APIError) as info:
+        decode_json(("[" * 900 + '"\\ud800"' + "]" * 900).encode())
+    assert info.value.param == "[0]" * 900
+
+
 def test_a_custom_id_with_a_surrogate_fails_its_line_alone(ctx: ServiceContext) -> None:
     raw = raw_line(BASE[CHAT], custom_id="sur\udc00id")
     assert b"\\udc00" in raw  # the file itself is valid UTF-8
@@ -307,6 +323,9 @@ def test_image_part_is_refused_on_its_type(ctx: ServiceContext, part: dict[str, 
         ({"text": "x"}, "missing_required_parameter", "messages[0].content[0].type"),
         ({"type": "text"}, "missing_required_parameter", "messages[0].content[0].text"),
         ({"type": "text", "text": 5}, "invalid_type", "messages[0].content[0].text"),
+        ({"type": ["text"], "text": "x"}, "invalid_type", "messages[0].content[0].type"),
+        ({"type": {"a": 1}, "text": "x"}, "invalid_type", "messages[0].content[0].type"),
+        ({"type": None, "text": "x"}, "invalid_type", "messages[0].content[0].type"),
         ("just a string", "invalid_type", "messages[0].content[0]"),
     ],
 )
@@ -422,7 +441,25 @@ def set_path(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 
 #: Values of the wrong type (or shape) for any union field.
-WRONG = [5, 1.5, True, {}, {"a": 1}, [{}], [[{}]], [1, "a"], ["a", 1], [[1], "a"], [None], [[1, "x"]], "text", []]
+WRONG = [
+    5,
+    1.5,
+    True,
+    {},
+    {"a": 1},
+    {"type": ["x"]},
+    {"type": 5},
+    [{"type": {}}],
+    [{}],
+    [[{}]],
+    [1, "a"],
+    ["a", 1],
+    [[1], "a"],
+    [None],
+    [[1, "x"]],
+    "text",
+    [],
+]
 PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*$")
 #: How pydantic names union members and validators in an error's location.
 INTERNAL = ("str]", "list[", "int]", "tagged-union", "function-", "[key]", "union[")

@@ -114,6 +114,8 @@ def check_line(
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         return None, None, None, InvalidRequestError(f"Line is not valid JSON: {exc.msg}.", code="invalid_json_line")
+    except RecursionError:
+        return None, None, None, InvalidRequestError("Line is nested too deeply to be read.", code="invalid_json_line")
     if not isinstance(obj, dict):
         return None, None, None, InvalidRequestError("Line must be a JSON object.", code="invalid_json_line")
     try:  # the line's own fields; the body's strings are the service's to check (named as the route names them)

@@ -63,7 +63,7 @@ def _part_kind(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", "text")
     if kind == "text" or not isinstance(part, (dict, RequestModel)):
         return "text"
-    return "unreadable" if kind in UNREADABLE_PARTS else "unknown"
+    return "unreadable" if isinstance(kind, str) and kind in UNREADABLE_PARTS else "unknown"
 
 
 #: One part of a message's content, told apart by its ``type`` so that an error names the right field: a text part

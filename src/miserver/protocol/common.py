@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from types import UnionType
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError
 from pydantic.fields import FieldInfo
@@ -75,30 +75,41 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def find_unpaired_surrogate(
-    value: Any, loc: tuple[int | str, ...] = ()
-) -> tuple[tuple[int | str, ...], str, int] | None:
-    """The first string of a decoded JSON value, key or value, that holds an unpaired surrogate.
+class Unencodable(NamedTuple):
+    """Where a decoded JSON value holds an unpaired surrogate: the path, the string, the index in it, and whether the
+    string is a field name (then the path's last part is that name written with :func:`printable`)."""
 
-    Returns ``(loc, text, index)`` (``loc`` is the path of the value; for a key, the parent's path plus the key
-    written with :func:`printable`), or None when every string encodes as UTF-8. JSON allows ``"\\ud800"`` but no
-    Unicode text holds it: it cannot be tokenised, stored or logged.
+    loc: tuple[int | str, ...]
+    text: str
+    at: int
+    is_key: bool
+
+
+def find_unpaired_surrogate(value: Any, loc: tuple[int | str, ...] = ()) -> Unencodable | None:
+    """The first string of a decoded JSON value, field name or value, that holds an unpaired surrogate, in document
+    order; None when every string encodes as UTF-8. JSON allows ``"\\ud800"``, but no Unicode text holds it: it
+    cannot be tokenised, stored or logged. Iterative, so that no nesting depth the JSON parser accepts overflows it.
     """
-    if isinstance(value, str):
-        at = _surrogate_at(value)
-        return None if at is None else (loc, value, at)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, str) and (at := _surrogate_at(key)) is not None:
-                return (*loc, printable(key)), key, at
-            found = find_unpaired_surrogate(item, (*loc, key))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = find_unpaired_surrogate(item, (*loc, i))
-            if found is not None:
-                return found
+    stack: list[tuple[tuple[int | str, ...], Any] | Unencodable] = [(loc, value)]
+    while stack:
+        entry = stack.pop()
+        if isinstance(entry, Unencodable):
+            return entry
+        where, node = entry
+        if isinstance(node, str):
+            at = _surrogate_at(node)
+            if at is not None:
+                return Unencodable(where, node, at, False)
+        elif isinstance(node, dict):
+            children: list[tuple[tuple[int | str, ...], Any] | Unencodable] = []
+            for key, item in node.items():  # a key comes after the values of the keys before it
+                if isinstance(key, str) and (at := _surrogate_at(key)) is not None:
+                    children.append(Unencodable((*where, printable(key)), key, at, True))
+                    break
+                children.append(((*where, key), item))
+            stack.extend(reversed(children))
+        elif isinstance(node, list):
+            stack.extend(((*where, i), item) for i, item in reversed(list(enumerate(node))))
     return None
 
 
@@ -108,12 +119,13 @@ def check_text(value: Any, loc: tuple[int | str, ...] = ()) -> None:
     found = find_unpaired_surrogate(value, loc)
     if found is None:
         return
-    where, text, at = found
-    param = param_path(where) or None
-    char = f"\\u{ord(text[at]):04x}"
+    param = param_path(found.loc) or None
+    char = f"\\u{ord(found.text[found.at]):04x}"
+    what = "field name" if found.is_key else "text"
     raise InvalidRequestError(
-        f"Invalid value for '{param}': the text holds an unpaired surrogate ({char} at character {at}), which is not "
-        "valid Unicode. Send UTF-8 text: a JSON \\ud800-\\udfff escape must be one half of a surrogate pair.",
+        f"Invalid value for '{param}': the {what} holds an unpaired surrogate ({char} at character {found.at}), "
+        "which is not valid Unicode. Send UTF-8 text: a JSON \\ud800-\\udfff escape must be one half of a surrogate "
+        "pair.",
         param=param,
     )
 

@@ -21,6 +21,10 @@ def decode_json(raw: bytes) -> Any:
             "We could not parse the JSON body of your request. Send valid JSON with Content-Type: application/json.",
             code="invalid_json",
         ) from None
+    except RecursionError:
+        raise InvalidRequestError(
+            "The JSON body of your request is nested too deeply to be read.", code="invalid_json"
+        ) from None
     check_text(value)
     return value
 
@@ -98,9 +102,7 @@ def refuse_message_names(messages: Sequence[Any]) -> None:
 def check_stream_options(stream: bool | None, stream_options: object | None) -> None:
     """OpenAI refuses ``stream_options`` unless ``stream`` is true."""
     if stream_options is not None and stream is not True:
-        raise InvalidRequestError(
-            "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
-        )
+        raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
 
 
 def check_stop(stop: str | list[str] | None) -> None:
