@@ -68,6 +68,7 @@ class Store:
         return not self.is_sqlite
 
     async def close(self) -> None:
+        """Dispose of the engine's connections and release the SQLite process lock, if held."""
         await self.engine.dispose()
         if self._lock is not None:
             self._lock.release()

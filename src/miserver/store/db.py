@@ -15,7 +15,9 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
@@ -39,10 +41,11 @@ def async_url(url: str) -> str:
 
 
 def is_sqlite(url: str) -> bool:
+    """Whether ``url`` names a SQLite database (any driver)."""
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
@@ -65,6 +68,7 @@ def create_engine(url: str) -> AsyncEngine:
 
 
 def alembic_config(url: str) -> Config:
+    """Alembic's configuration for ``url``: this package's migrations, the synchronous driver."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.set_main_option("sqlalchemy.url", sync_url(url).replace("%", "%%"))
@@ -96,6 +100,7 @@ class ProcessLock:
 
     @classmethod
     def acquire(cls, url: str) -> ProcessLock:
+        """Lock the SQLite database of ``url`` for this process; :class:`DatabaseInUseError` when another holds it."""
         database = make_url(url).database or ""
         path = Path(database + ".lock")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,5 +120,6 @@ class ProcessLock:
         return cls(path, fd)
 
     def release(self) -> None:
+        """Unlock and close the lock file (the file itself stays)."""
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)

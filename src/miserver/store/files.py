@@ -20,6 +20,9 @@ CHUNK_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class FileRecord:
+    """A file's record: ``bytes`` is the content length, times are Unix seconds (``expires_at`` None: never),
+    ``content_deleted_at`` is set once pruning removed the bytes (the record stays)."""
+
     id: str
     purpose: str
     filename: str
@@ -32,6 +35,7 @@ class FileRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> FileRecord:
+        """The record of a ``files`` row (a SQLAlchemy ``Row``)."""
         m = row._mapping
         return cls(**{k: m[k] for k in cls.__dataclass_fields__})
 
@@ -82,6 +86,7 @@ class ChunkWriter:
         self.pending = bytearray()
 
     async def write(self, data: bytes) -> None:
+        """Append ``data``; full 1 MiB rows are inserted as they fill."""
         self.pending += data
         while len(self.pending) >= CHUNK_BYTES:
             await self._flush(bytes(self.pending[:CHUNK_BYTES]))
@@ -114,6 +119,7 @@ async def create_empty(
 
 
 async def get_file(conn: AsyncConnection, file_id: str) -> FileRecord | None:
+    """The record of ``file_id`` (also after its content was pruned); None when there is none."""
     row = (await conn.execute(select(files).where(files.c.id == file_id))).first()
     return FileRecord.from_row(row) if row else None
 
@@ -150,7 +156,10 @@ async def delete_file(conn: AsyncConnection, file_id: str) -> bool:
 
 
 async def iter_content(engine: AsyncEngine, file_id: str) -> AsyncIterator[bytes]:
-    """Yield a file's bytes chunk by chunk, one short read per chunk (bounded memory, no long transaction)."""
+    """Yield a file's bytes chunk by chunk, one short read per chunk (bounded memory, no long transaction).
+
+    Outside ``store/`` call :meth:`miserver.store.Store.file_content`, which owns the engine.
+    """
     seq = 0
     while True:
         async with engine.connect() as conn:

@@ -19,12 +19,15 @@ from .schema import idempotency_keys
 
 @dataclass(frozen=True)
 class StoredAnswer:
+    """The kept first answer under a key: the request's fingerprint (hex SHA-256), its status and JSON body."""
+
     body_sha256: str
     status_code: int
     response: dict[str, Any]
 
 
 async def lookup(conn: AsyncConnection, route: str, key: str) -> StoredAnswer | None:
+    """The answer kept under ``(route, key)``; None when the key was never used on that route."""
     row = (
         await conn.execute(
             select(idempotency_keys).where(idempotency_keys.c.route == route, idempotency_keys.c.key == key)
