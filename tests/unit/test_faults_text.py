@@ -277,6 +277,15 @@ def test_fields_that_change_nothing_are_accepted(ctx: ServiceContext, endpoint: 
     assert line_error(ctx, endpoint, body)[1] is None
 
 
+def test_max_tokens_and_max_completion_tokens_that_differ_are_refused(ctx: ServiceContext) -> None:
+    body = {**BASE[CHAT], "max_tokens": 5, "max_completion_tokens": 7}
+    err = sync_error(ctx, CHAT, body)
+    assert err is not None and (err.code, err.param) == ("invalid_value", "max_tokens")
+    _, line_err = line_error(ctx, CHAT, body)
+    assert line_err is not None and line_err.param == "max_tokens"
+    assert sync_error(ctx, CHAT, {**body, "max_completion_tokens": 5}) is None
+
+
 def test_stream_options_without_stream_is_refused_on_text_completions_too(ctx: ServiceContext) -> None:
     body = {**BASE[TEXT], "stream_options": {"include_usage": True}}
     err = sync_error(ctx, TEXT, body)

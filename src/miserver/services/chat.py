@@ -22,7 +22,14 @@ from ..protocol.chat import (
     ChunkDelta,
 )
 from ..protocol.common import ChatTokenLogprob, TopLogprob, Usage, carried_fields, parse_request
-from .common import check_context, check_stop, check_stream_options, refuse_message_names, refuse_unsupported
+from .common import (
+    check_context,
+    check_max_tokens,
+    check_stop,
+    check_stream_options,
+    refuse_message_names,
+    refuse_unsupported,
+)
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
 
@@ -54,6 +61,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompleti
     req = parse_request(ChatCompletionRequest, body, strict=strict)
     refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
     refuse_message_names(req.messages)
+    check_max_tokens(req.max_tokens, req.max_completion_tokens)
     check_stop(req.stop)
     check_stream_options(req.stream, req.stream_options)
     if req.top_logprobs is not None and not req.logprobs:

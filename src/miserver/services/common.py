@@ -99,6 +99,17 @@ def refuse_message_names(messages: Sequence[Any]) -> None:
             )
 
 
+def check_max_tokens(max_tokens: int | None, max_completion_tokens: int | None) -> None:
+    """400 on ``max_tokens`` when it and ``max_completion_tokens`` (its newer name) are both given and differ: one of
+    them would be ignored. The same value in both is accepted."""
+    if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
+        raise InvalidRequestError(
+            f"Invalid 'max_tokens': {max_tokens}, while 'max_completion_tokens' is {max_completion_tokens}. They are "
+            "the same limit ('max_tokens' is its older name): send one of them.",
+            param="max_tokens",
+        )
+
+
 def check_stream_options(stream: bool | None, stream_options: object | None) -> None:
     """OpenAI refuses ``stream_options`` unless ``stream`` is true."""
     if stream_options is not None and stream is not True:
