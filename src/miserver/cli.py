@@ -8,21 +8,23 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import click
 
+from .protocol.batches import TERMINAL
 from .settings import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def client_errors(command: F) -> F:
+def client_errors(command: Callable[P, R]) -> Callable[P, R]:
     """Turn the ``openai`` client's errors into one-line messages (exit status 1) instead of tracebacks."""
 
     @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         import openai
 
         try:
@@ -31,12 +33,15 @@ def client_errors(command: F) -> F:
             error = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else {}
             message = error.get("message") if isinstance(error, dict) else None
             code = error.get("code") if isinstance(error, dict) else None
-            raise click.ClickException(f"{exc.status_code} {code or ''}: {message or exc.message}".replace(" :", ":"))
+            text = f"{exc.status_code} {code or ''}: {message or exc.message}".replace(" :", ":")
+            raise click.ClickException(text) from None
         except openai.APIConnectionError:
             url = kwargs.get("url", DEFAULT_URL)
-            raise click.ClickException(f"cannot reach a server at {url} (is `miserver serve` running? see --url)")
+            raise click.ClickException(
+                f"cannot reach a server at {url} (is `miserver serve` running? see --url)"
+            ) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -90,7 +95,9 @@ def serve(
 
 
 @main.command()
-@click.option("--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="PostgreSQL URL shared with the server.")
+@click.option(
+    "--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="PostgreSQL URL shared with the server."
+)
 @click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
 @click.option("--model", envvar="MISERVER_MODEL", default=None, help="Catalogue id, transformers dir or .gguf file.")
 @click.option("--served-model-name", envvar="MISERVER_SERVED_MODEL_NAME", default=None, help="Id to serve it under.")
@@ -216,7 +223,7 @@ def _submit(url: str, path: str, endpoint: str, window: str) -> Any:
     client = _client(url)
     with open(path, "rb") as fh:
         uploaded = client.files.create(file=(Path(path).name, fh), purpose="batch")
-    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window=window)  # type: ignore[arg-type]
+    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window=window)
 
 
 @batch.command("submit")
@@ -263,7 +270,7 @@ def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool 
                 bar.n = counts.completed + counts.failed
                 bar.set_postfix_str(f"{b.status} failed={counts.failed}")
                 bar.refresh()
-            if b.status in ("completed", "failed", "expired", "cancelled"):
+            if b.status in TERMINAL:
                 return b
             time.sleep(poll)
     finally:

@@ -292,9 +292,10 @@ def test_line_validation_errors(module_server: ServerProcess) -> None:
         number = x["millm"]["line"]
         custom_id, status, code, param = expected[number]
         assert x["custom_id"] == custom_id, x
-        assert x["error"] is None, x
         assert x["id"].startswith("batch_req_")
         response = x["response"]
+        body_error = response["body"]["error"]
+        assert x["error"] == {"code": body_error["code"], "message": body_error["message"]}, x
         assert response["status_code"] == status, x
         assert response["request_id"]
         error = response["body"]["error"]
@@ -448,7 +449,7 @@ def test_results_order_usage_provenance_and_sync_equivalence(module_server: Serv
     assert err[0]["response"]["status_code"] == sync_err.status_code == 400
     assert err[0]["response"]["body"]["error"]["code"] == "context_length_exceeded"
     assert err[0]["response"]["body"]["error"] == error_of(sync_err)
-    assert err[0]["error"] is None
+    assert err[0]["error"] == {"code": "context_length_exceeded", "message": error_of(sync_err)["message"]}
 
     # A row's body equals the synchronous response to the same body (same seed): choices and usage.
     for cid in ("r0", "r1", "r4", "r5"):

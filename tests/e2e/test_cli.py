@@ -53,7 +53,7 @@ def test_a_failed_batch_says_why_and_exits_1(sqlite_module_server: ServerProcess
     )
     assert result.exit_code == 1
     assert ": failed, 0 completed, 1 failed of 1" in result.stdout
-    assert "no_valid_lines" in result.stderr
+    assert "unknown_parameter" in result.stderr and "line 1" in result.stderr
 
 
 def test_an_unknown_batch_is_one_line_not_a_traceback(sqlite_module_server: ServerProcess) -> None:

@@ -1,6 +1,6 @@
-"""The runner's packed window (``batches.packing.run_window``) on SQLite and PostgreSQL, with the tiny model.
+"""The one row loop (``batches.chunks.run_chunk``) on a packed window, on SQLite and PostgreSQL, with the tiny model.
 
-Rows are claimed as the runner claims them; the window records every row once with the claim token, marks the rows
+Rows are claimed as the runner claims them; the loop records every row once with the claim token, marks the rows
 that ran in a pack, lets a refused row fail alone, and ends at a pack boundary when an interactive request waits.
 """
 
@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from miserver.batches import packing
+from miserver.batches import chunks, packing
+from miserver.scheduler import Slot
 from miserver.engines.local.engine import LocalEngine
 from miserver.scheduler import AdmissionGate, Priority
-from miserver.services.context import Call, ServiceContext
+from miserver.services.context import ServiceContext
 from miserver.services.registry import SERVICES
 from miserver.settings import Settings
 from miserver.store import Store
@@ -42,17 +43,20 @@ async def claimed_batch(store: Store, bodies: list[dict[str, Any]], token: str) 
                               output_expires_seconds=None)  # fmt: skip
         rows = [{"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": json.dumps(b)} for i, b in enumerate(bodies)]
         await sr.insert_rows(conn, "batch_1", rows)
-        await sb.set_fields(conn, "batch_1", total=len(bodies))
-        assert await sb.transition(conn, "batch_1", ("validating",), "in_progress", 2)
+        await sb.set_fields(conn, "batch_1", ("validating",), total=len(bodies))
+        await sb.transition(conn, "batch_1", ("validating",), "in_progress", 2)
         claimed = await sr.claim(conn, batch_id="batch_1", limit=100, worker="w", token=token, now_ms=1000,
                                  ttl_ms=10**9, skip_locked=store.skip_locked)  # fmt: skip
     assert len(claimed) == len(bodies)
     return claimed
 
 
-async def window(ctx: ServiceContext, store: Store, rows: list[sr.ClaimedRow], call: Call, token: str = "t1") -> None:
-    await packing.run_window(ctx=ctx, store=store, service=SERVICES["/v1/chat/completions"], batch_id="batch_1",
-                             token=token, rows=rows, call=call, settings=SETTINGS, on_change=lambda _id: None)  # fmt: skip
+async def window(
+    ctx: ServiceContext, store: Store, rows: list[sr.ClaimedRow], slot: Slot | None = None, token: str = "t1"
+) -> chunks.ChunkReport:
+    return await chunks.run_chunk(ctx=ctx, store=store, service=SERVICES["/v1/chat/completions"], batch_id="batch_1",
+                                  token=token, rows=rows, plan=packing.runner_plan(SETTINGS), slot=slot, lease=None,
+                                  time_limit=3600, stopping=lambda: False, on_change=lambda _id: None)  # fmt: skip
 
 
 async def results(store: Store) -> dict[str, dict[str, Any]]:
@@ -65,7 +69,7 @@ async def test_a_window_records_every_row_once(engine: LocalEngine, store: Store
     bodies = [body(t) for t in TEXTS] + [body("longer answer", max_tokens=3), body("x " * 600)]
     rows = await claimed_batch(store, bodies, "t1")
     before = engine.executions
-    await window(ctx, store, rows, Call(strict=True, priority=Priority.BATCH))
+    await window(ctx, store, rows)
     assert engine.executions - before == len(TEXTS) + 1  # the over-long row never reaches the engine
     done = await results(store)
     assert sorted(done) == sorted(f"r{i}" for i in range(len(bodies)))
@@ -76,7 +80,7 @@ async def test_a_window_records_every_row_once(engine: LocalEngine, store: Store
         assert batch is not None and (batch.completed, batch.failed) == (len(TEXTS) + 1, 1)
     # The same claim again: the first outcome (the refused row, answered before any pack) cannot be recorded, so the
     # window stops before running anything.
-    await window(ctx, store, rows, Call(strict=True, priority=Priority.BATCH))
+    await window(ctx, store, rows)
     assert engine.executions - before == len(TEXTS) + 1
     assert await results(store) == done
 
@@ -92,7 +96,7 @@ async def test_a_waiting_interactive_request_ends_the_window_at_a_pack_boundary(
     waiter = asyncio.create_task(gate.acquire(Priority.INTERACTIVE))
     await asyncio.sleep(0)  # let the interactive request queue
     assert gate.queue_length(Priority.INTERACTIVE) == 1
-    await window(ctx, store, rows, Call(strict=True, priority=Priority.BATCH, slot=slot))
+    await window(ctx, store, rows, slot)
     assert len(await results(store)) == 1, "one pack, then the waiting request goes first"
     gate.release(slot)
     gate.release(await waiter)
@@ -105,8 +109,8 @@ async def test_a_cancel_ends_the_window_at_the_next_recorded_row(
     rows = await claimed_batch(store, [body(t) for t in TEXTS], "t1")
     monkeypatch.setattr(packing, "runner_plan", lambda settings: lambda lengths: [[i] for i in range(len(lengths))])
     async with store.tx() as conn:  # the cancel arrived while the window waited for its slot
-        assert await sb.transition(conn, "batch_1", ("in_progress",), "cancelling", 3)
-    await window(ctx, store, rows, Call(strict=True, priority=Priority.BATCH))
+        await sb.transition(conn, "batch_1", ("in_progress",), "cancelling", 3)
+    await window(ctx, store, rows)
     assert len(await results(store)) == 1, "the first recorded row sees the cancel; the others stay pending"
     async with store.tx() as conn:
         assert await sr.count_pending(conn, "batch_1") == len(TEXTS) - 1

@@ -9,9 +9,9 @@ from typing import Any
 import openai
 from openai.types import Batch
 
+from miserver.protocol.batches import TERMINAL
 from tests.support.server import wait_for
 
-TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 #: The order in which a batch may pass through its statuses (DESIGN §4), for checking an observed sequence.
 STATUS_ORDER = {
     "validating": 0,

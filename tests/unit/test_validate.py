@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from miserver.batches.validate import check_line, error_line, physical_lines
+from miserver.batches.output import failure_line, invalid_line, unrun_line
+from miserver.batches.validate import check_line, physical_lines
 from miserver.engines.base import EngineInfo
 from miserver.scheduler import AdmissionGate
 from miserver.services.context import ServiceContext
@@ -100,11 +101,25 @@ def test_duplicate_custom_id(ctx: ServiceContext) -> None:
 def test_error_line_shape(ctx: ServiceContext) -> None:
     _, _, _, err = check_line(ctx, ENDPOINT, line(method="GET"), set())
     assert err is not None
-    out = json.loads(error_line("a", 7, err))
-    assert out["custom_id"] == "a" and out["error"] is None and out["millm"] == {"line": 7}
+    out = json.loads(invalid_line("a", 7, err))
+    assert out["custom_id"] == "a" and out["millm"] == {"line": 7}
     assert out["response"]["status_code"] == 400
     assert out["response"]["body"]["error"]["param"] == "method"
     assert out["id"].startswith("batch_req_")
+    # every error line also carries ``error: {code, message}`` (the hosted reference's shape), the same as the body's
+    body_error = out["response"]["body"]["error"]
+    assert out["error"] == {"code": body_error["code"], "message": body_error["message"]}
+
+
+def test_every_failed_line_fills_error(ctx: ServiceContext) -> None:
+    _, _, _, err = check_line(ctx, ENDPOINT, line(method="GET"), set())
+    assert err is not None
+    run_time = json.loads(failure_line("b", err))
+    assert run_time["error"] == {"code": err.code, "message": err.message} and "millm" not in run_time
+    assert run_time["response"]["body"] == err.envelope()
+    for code in ("batch_cancelled", "batch_expired"):
+        unrun = json.loads(unrun_line("c", code))
+        assert unrun["response"] is None and unrun["error"]["code"] == code and unrun["error"]["message"]
 
 
 async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:

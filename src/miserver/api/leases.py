@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from ..errors import ConflictError, InvalidRequestError, NotFoundError
+from ..protocol.batches import BATCH_STATUSES, TERMINAL
 from ..protocol.common import RequestModel, parse_request
 from ..store import batches as store_batches
 from .batches import batch_object
@@ -65,9 +66,11 @@ async def hand_lease(batch_id: str, request: Request) -> dict[str, Any]:
         batch = await store_batches.get_batch(conn, batch_id)
         if batch is None:
             raise NotFoundError(f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
-        if batch.terminal:
-            raise ConflictError(f"The batch is {batch.status}.", param="batch_id", code="batch_finished")
-        await store_batches.set_fields(conn, batch_id, caller_lease=lease)
+        live = tuple(sorted(set(BATCH_STATUSES) - TERMINAL))
+        try:
+            await store_batches.set_fields(conn, batch_id, live, caller_lease=lease)
+        except store_batches.StaleStatus:  # finished (now, or between the read above and this write)
+            raise ConflictError(f"The batch is {batch.status}.", param="batch_id", code="batch_finished") from None
         batch = await store_batches.get_batch(conn, batch_id)
     st.runner.wake()
     assert batch is not None

@@ -13,6 +13,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..errors import APIError
 from ..ids import now, ordered_id, random_id
+from ..protocol.batches import (
+    BatchLineError,
+    BatchLineExtension,
+    BatchLineResponse,
+    BatchLineResponseExtension,
+    BatchOutputLine,
+)
 from ..services.context import ServiceResult
 from ..store import batches as store_batches
 from ..store import files as store_files
@@ -25,51 +32,75 @@ UNRUN_MESSAGES = {
 }
 
 
+def _dump(line: BatchOutputLine) -> str:
+    return line.model_dump_json(exclude_unset=True)
+
+
+def _line_error(error: APIError) -> BatchLineError:
+    return BatchLineError(code=error.code, message=error.message)
+
+
 def success_line(custom_id: str, result: ServiceResult, *, packed: bool = False) -> str:
-    """The output line of a row that the service answered."""
-    return json.dumps(
-        {
-            "id": random_id("batch_req_"),
-            "custom_id": custom_id,
-            "response": {
-                "status_code": result.status_code,
-                "request_id": random_id("req_"),
-                "body": result.body,
-                "millm": {"packed": packed, "headers": result.headers},
-            },
-            "error": None,
-        },
-        ensure_ascii=False,
+    """The output line of a row that the service answered (JSON text, one line)."""
+    return _dump(
+        BatchOutputLine(
+            id=random_id("batch_req_"),
+            custom_id=custom_id,
+            response=BatchLineResponse(
+                status_code=result.status_code,
+                request_id=random_id("req_"),
+                body=result.body,
+                millm=BatchLineResponseExtension(packed=packed, headers=result.headers),
+            ),
+            error=None,
+        )
     )
 
 
 def failure_line(custom_id: str, error: APIError) -> str:
-    """The error line of a row refused while running: the synchronous route's status and body."""
-    return json.dumps(
-        {
-            "id": random_id("batch_req_"),
-            "custom_id": custom_id,
-            "response": {"status_code": error.status_code, "request_id": random_id("req_"), "body": error.envelope()},
-            "error": None,
-        },
-        ensure_ascii=False,
+    """The error line of a row refused while running: the synchronous route's status and body under ``response``,
+    and the same code and message under ``error``."""
+    return _dump(
+        BatchOutputLine(
+            id=random_id("batch_req_"),
+            custom_id=custom_id,
+            response=BatchLineResponse(
+                status_code=error.status_code, request_id=random_id("req_"), body=error.envelope()
+            ),
+            error=_line_error(error),
+        )
+    )
+
+
+def invalid_line(custom_id: str | None, line: int, error: APIError) -> str:
+    """The error line of an input line refused at validation: as :func:`failure_line`, plus ``millm.line`` (its
+    1-based line number in the input file)."""
+    return _dump(
+        BatchOutputLine(
+            id=random_id("batch_req_"),
+            custom_id=custom_id,
+            response=BatchLineResponse(
+                status_code=error.status_code, request_id=random_id("req_"), body=error.envelope()
+            ),
+            error=_line_error(error),
+            millm=BatchLineExtension(line=line),
+        )
     )
 
 
 def unrun_line(custom_id: str | None, code: str) -> str:
     """The error line of a row that never ran (``batch_cancelled`` or ``batch_expired``)."""
-    return json.dumps(
-        {
-            "id": random_id("batch_req_"),
-            "custom_id": custom_id,
-            "response": None,
-            "error": {"code": code, "message": UNRUN_MESSAGES[code]},
-        },
-        ensure_ascii=False,
+    return _dump(
+        BatchOutputLine(
+            id=random_id("batch_req_"),
+            custom_id=custom_id,
+            response=None,
+            error=BatchLineError(code=code, message=UNRUN_MESSAGES[code]),
+        )
     )
 
 
-class _StatusMoved(Exception):
+class StatusMoved(Exception):
     """The batch left the expected status while its files were being written: roll back."""
 
 
@@ -124,18 +155,18 @@ async def finish(
 ) -> bool:
     """Write the batch's output and error files and move it to ``to`` in the caller's transaction.
 
-    Raises nothing when the batch moved on meanwhile: the transaction is rolled back by the caller seeing False.
-    Returns whether the batch reached ``to``.
+    First fences the pending rows (:func:`~miserver.store.rows.fence_unrun`): a row written as never run can no
+    longer be recorded by a worker still running it. Raises :class:`StatusMoved` when the batch left ``allowed``
+    meanwhile (or, for ``completed``, still has a pending row): the caller's transaction must roll back (the files
+    written here go with it). Returns True.
     """
+    await store_rows.fence_unrun(conn, batch.id)
     values = await _write_files(conn, batch, unrun_code, file_expiry_seconds)
     values["total"] = max(batch.total, values["completed"] + values["failed"])
     values.update(extra or {})
-    moved = await store_batches.transition(
+    moved = await store_batches.try_transition(
         conn, batch.id, allowed, to, now(), waiting_reason=None, lease_holder=None, **values
     )
     if not moved:
-        raise _StatusMoved(batch.id)
+        raise StatusMoved(batch.id)
     return True
-
-
-StatusMoved = _StatusMoved

@@ -10,32 +10,21 @@ length-aware: it sorts the window's units by length and cuts packs whose ``rows 
 budget runs alone). Generation rows (``max_tokens`` > 1) run one at a time through the synchronous code; probe rows
 never pack (their service has no many-rows call).
 
-Rows finish in pack order; each is recorded as soon as it finishes, in its own transaction fenced by the claim token
-(exactly once), and the output file is written in input order whatever the recording order. :func:`fixed_packs` and
-:func:`sorted_packs` are the plain schemes the benchmark compares against (``bench/packing.py``).
+Rows finish in pack order; the one row loop (:mod:`miserver.batches.chunks`) records each as soon as it finishes, in
+its own transaction fenced by the claim token (exactly once), and the output file is written in input order whatever
+the recording order. :func:`fixed_packs` and :func:`sorted_packs` are the plain schemes the benchmark compares
+against (``bench/packing.py``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 from functools import partial
 
-from ..errors import APIError
-from ..scheduler import Priority
-from ..services.context import Call, ServiceContext
 from ..services.many import Plan
-from ..services.registry import SERVICES, EndpointService
+from ..services.registry import SERVICES
 from ..settings import Settings
-from ..store import Store
-from ..store import batches as store_batches
-from ..store import rows as store_rows
 from ..store.batches import BatchRecord
-from . import output
-
-log = logging.getLogger("miserver.batches")
 
 
 def fixed_packs(lengths: Sequence[int], size: int) -> list[list[int]]:
@@ -79,74 +68,18 @@ def runner_plan(settings: Settings) -> Plan:
     return partial(budget_packs, budget=settings.batch_pack_token_budget, max_padding=settings.batch_pack_max_padding)
 
 
+def batch_plan(settings: Settings, batch: BatchRecord) -> Plan | None:
+    """The plan a batch's rows run with: :func:`runner_plan` when it packs, else None (each row alone, exactly as
+    the synchronous route computes it)."""
+    return runner_plan(settings) if packs(batch) else None
+
+
 def packs(batch: BatchRecord) -> bool:
     """Whether ``batch`` runs its rows through the packed path (``pack: true`` and a packable endpoint)."""
     service = SERVICES.get(batch.endpoint)
-    return bool(batch.pack) and service is not None and service.create_many is not None
+    return bool(batch.pack) and service is not None and service.packable
 
 
 def claim_limit(settings: Settings, batch: BatchRecord) -> int:
     """Rows to claim per admission slot: the packing window for a packed batch, else the chunk."""
     return settings.batch_pack_window_rows if packs(batch) else settings.batch_chunk_rows
-
-
-async def run_window(
-    *,
-    ctx: ServiceContext,
-    store: Store,
-    service: EndpointService,
-    batch_id: str,
-    token: str,
-    rows: Sequence[store_rows.ClaimedRow],
-    call: Call,
-    settings: Settings,
-    on_change: Callable[[str], None],
-) -> None:
-    """Run a claimed window through ``service.create_many`` and record each row as it finishes.
-
-    ``call`` holds the chunk's slot and its ``should_stop`` (stop, time bound). Once a row is recorded, an
-    interactive request waiting for the gate also ends the window at the next pack boundary, as it ends a chunk at a
-    row boundary. Rows left unrun stay pending and are released by the caller with the claim. Returns early when a
-    record is refused (the claim was taken over) or once the batch is being cancelled (read after each record).
-    """
-    assert service.create_many is not None
-    recorded_rows = 0
-    outer = call.should_stop
-
-    def should_stop() -> bool:
-        if outer is not None and outer():
-            return True
-        return recorded_rows > 0 and ctx.gate.queue_length(Priority.INTERACTIVE) > 0
-
-    bodies = [json.loads(r.body) for r in rows]
-    outcomes = service.create_many(ctx, bodies, replace(call, should_stop=should_stop), runner_plan(settings))
-    try:
-        async for outcome in outcomes:
-            row = rows[outcome.index]
-            if isinstance(outcome.result, APIError):
-                ok, line, usage = False, output.failure_line(row.custom_id, outcome.result), (0, 0)
-            else:
-                result = outcome.result
-                ok, usage = True, (result.prompt_tokens, result.completion_tokens)
-                line = output.success_line(row.custom_id, result, packed=outcome.packed)
-            async with store.tx() as conn:
-                recorded = await store_rows.record(
-                    conn,
-                    batch_id=batch_id,
-                    line=row.line,
-                    token=token,
-                    ok=ok,
-                    result=line,
-                    input_tokens=usage[0],
-                    output_tokens=usage[1],
-                )
-                cancelled = await store_batches.get_status(conn, batch_id) == "cancelling"
-            if not recorded:
-                log.warning("batch %s line %d: claim lost, result dropped", batch_id, row.line)
-                return
-            recorded_rows += 1
-            on_change(batch_id)
-            if cancelled:
-                return  # a cancel arrived: the rows not yet recorded stay pending and become batch_cancelled lines
-    finally:
-        await outcomes.aclose()  # type: ignore[attr-defined]

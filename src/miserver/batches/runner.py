@@ -1,40 +1,45 @@
-"""The batch runner: validates new batches, runs rows in chunks through the services, finishes batches.
+"""The batch runner: drives every non-terminal batch to a terminal status.
 
-One loop per process. Each pass walks the active batches in creation order and gives each in-progress batch one
-chunk (round robin): claim up to ``BATCH_CHUNK_ROWS`` rows, take one admission slot at batch priority, run the rows
-through the SAME service function as the synchronous route, record each result in its own transaction (exactly
-once, fenced by the claim token), give the slot back. Between chunks it sees cancels, expiry and new batches.
+One loop per process. Each pass lists the active batches in creation order and advances each one from a fresh read
+of its record: a ``validating`` batch gets a validation task (:class:`~miserver.batches.validate.Validator`), an
+``in_progress`` batch one chunk (round robin: claim up to ``BATCH_CHUNK_ROWS`` rows, or a packing window, take one
+admission slot at batch priority and run the chunk through the one row loop, :func:`~miserver.batches.chunks.
+run_chunk`), a ``finalizing``, ``cancelling`` or expired batch its files (:func:`~miserver.batches.output.finish`).
+Between chunks it sees cancels, expiry and new batches. Every write is a guarded statement of ``store/`` that raises
+when the batch moved on, so nothing a pass does can rest on a stale read. File pruning runs as its own task
+(:mod:`miserver.batches.pruning`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Callable
 
-from ..errors import SERVER_ERROR_MESSAGE, APIError, EngineUnavailableError, ServerError
 from ..ids import now, now_ms
 from ..scheduler import Priority
-from ..services.context import Call, ServiceContext, ServiceResult
-from ..services.registry import SERVICES, EndpointService
+from ..services.context import ServiceContext
+from ..services.registry import SERVICES
 from ..settings import Settings
 from ..store import Store
 from ..store import batches as store_batches
-from ..store import files as store_files
 from ..store import models as store_models
 from ..store import rows as store_rows
-from ..store.batches import BatchRecord
-from . import output, packing, states
-from .readiness import Readiness, foreign_lease_holder, readiness, release_own_lease
-from .validate import MAX_LISTED_ERRORS, BatchFailure, check_line, error_line, physical_lines
+from ..store.batches import BatchRecord, StaleStatus
+from . import chunks, output, packing, pruning, states
+from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease
+from .validate import BatchFailure, Validator
 
 log = logging.getLogger("miserver.batches")
 
-INSERT_PAGE = 500
+SERVER_VALIDATION_ERROR = {
+    "code": "server_error",
+    "message": "Validation failed on the server.",
+    "param": None,
+    "line": None,
+}
 
 
 class BatchRunner:
@@ -55,10 +60,11 @@ class BatchRunner:
         self.worker_id = worker_id or f"worker-{secrets.token_hex(4)}"
         self.on_change = on_change or (lambda _id: None)
         self.claim_ttl_ms = int(settings.batch_claim_ttl_seconds * 1000)
+        self.validator = Validator(store, ctx, settings, self.worker_id)
         self._wake = asyncio.Event()
         self._stopping = False
+        #: Validation tasks running in this process, by batch id (a finished task removes itself).
         self._validations: dict[str, asyncio.Task[None]] = {}
-        self._next_prune = 0.0
 
     def wake(self) -> None:
         """Ask the loop to look at the batches now (a batch was created or cancelled)."""
@@ -70,11 +76,15 @@ class BatchRunner:
         self._wake.set()
 
     async def run(self) -> None:
+        """Release this process's stale claims, then advance batches until :meth:`stop`; prunes files meanwhile."""
         async with self.store.tx() as conn:
             if self.store.is_sqlite:
                 await store_rows.release_all_claims(conn)
             else:
                 await store_rows.release_claims_of(conn, self.worker_id)
+        pruner = asyncio.create_task(
+            pruning.prune_forever(self.store, self.settings.file_prune_interval_seconds), name="miserver-file-pruning"
+        )
         try:
             while not self._stopping:
                 busy = await self.step()
@@ -83,47 +93,51 @@ class BatchRunner:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_seconds)
         finally:
-            for task in self._validations.values():
+            tasks = [pruner, *self._validations.values()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._validations.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def prune(self) -> list[str]:
-        """Delete the bytes of expired files no running batch needs (DESIGN §6); returns the file ids."""
-        async with self.store.tx() as conn:
-            pruned = await store_files.prune_expired_content(conn, now())
-        if pruned:
-            log.info("pruned the content of %d expired files", len(pruned))
-        return pruned
+        """Prune expired files now (DESIGN §6); returns the file ids (see :func:`~miserver.batches.pruning.prune_once`)."""
+        return await pruning.prune_once(self.store)
 
     async def step(self) -> bool:
         """One pass over the active batches; True when it ran or finished something."""
-        if time.monotonic() >= self._next_prune:
-            self._next_prune = time.monotonic() + self.settings.file_prune_interval_seconds
-            try:
-                await self.prune()
-            except Exception:
-                log.exception("pruning expired files failed")
         async with self.store.tx() as conn:
-            active = await store_batches.active_batches(conn)
+            active = [b.id for b in await store_batches.active_batches(conn)]
+        release_lease_of_finished(self.ctx, set(active))
         busy = False
-        for batch in active:
+        for batch_id in active:
             if self._stopping:
                 break
             try:
-                busy |= await self._advance(batch)
+                busy |= await self.advance(batch_id)
+            except StaleStatus as exc:  # the batch moved on under this pass: the next pass reads it again
+                log.info("%s", exc)
+                busy = True
             except Exception:  # a fault of one batch must not stop the others
-                log.exception("batch %s: runner error", batch.id)
+                log.exception("batch %s: runner error", batch_id)
         return busy
 
-    async def _advance(self, batch: BatchRecord) -> bool:
+    async def advance(self, batch_id: str) -> bool:
+        """Advance one batch by one step, from a fresh read of its record; True when it ran or finished something."""
+        async with self.store.tx() as conn:
+            batch = await store_batches.get_batch(conn, batch_id)
+        if batch is None or batch.terminal:
+            return False
         if batch.status == "validating":
-            task = self._validations.get(batch.id)
-            if task is None or task.done():
-                self._validations[batch.id] = asyncio.create_task(self._validate(batch))
+            if batch.id not in self._validations:
+                self._start_validation(batch)
             return False
         if batch.status == "cancelling":
-            if batch.id in self._validations and not self._validations[batch.id].done():
-                return False  # let validation notice the cancel and stop first
+            if batch.id in self._validations or store_batches.validation_live(
+                batch, worker=self.worker_id, now_ms=now_ms()
+            ):
+                return False  # a validation (here or in another process) is reading the file to its end first
+            if store_batches.needs_validation(batch):
+                self._start_validation(batch)  # cancelled before its validation finished: account for every line
+                return False
             return await self._finish(batch, "cancelled", "batch_cancelled")
         if batch.status == "finalizing":
             return await self._finish(batch, "completed", None)
@@ -142,120 +156,48 @@ class BatchRunner:
     async def _set_waiting(self, batch: BatchRecord, reason: str | None, holder: str | None) -> None:
         if (batch.waiting_reason, batch.lease_holder) != (reason, holder):
             async with self.store.tx() as conn:
-                await store_batches.set_fields(conn, batch.id, waiting_reason=reason, lease_holder=holder)
+                await store_batches.set_fields(
+                    conn, batch.id, ("in_progress",), waiting_reason=reason, lease_holder=holder
+                )
             self.on_change(batch.id)
 
     # -- validation -------------------------------------------------------------------------------------------
 
+    def _start_validation(self, batch: BatchRecord) -> None:
+        task = asyncio.create_task(self._validate(batch), name=f"miserver-validate-{batch.id}")
+        self._validations[batch.id] = task
+        task.add_done_callback(lambda _t: self._validations.pop(batch.id, None))
+
     async def _validate(self, batch: BatchRecord) -> None:
         try:
-            await self._validate_inner(batch)
+            if not await self.validator.run(batch):
+                return  # another live process validates it
         except BatchFailure as failure:
-            async with self.store.tx() as conn:
-                await store_batches.transition(
-                    conn, batch.id, ("validating",), "failed", now(), errors=[failure.as_batch_error()]
-                )
+            await self._fail_validation(batch.id, failure.as_batch_error())
+        except StaleStatus as exc:  # cancelled while validating, or the claim was taken over
+            log.info("batch %s: validation stopped: %s", batch.id, exc)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("batch %s: validation error", batch.id)
-            async with self.store.tx() as conn:
-                await store_batches.transition(
-                    conn,
-                    batch.id,
-                    ("validating",),
-                    "failed",
-                    now(),
-                    errors=[{"code": "server_error", "message": "Validation failed on the server.", "param": None, "line": None}],
-                )
+            await self._fail_validation(batch.id, SERVER_VALIDATION_ERROR)
         self.on_change(batch.id)
         self.wake()
 
-    async def _validate_inner(self, batch: BatchRecord) -> None:
+    async def _fail_validation(self, batch_id: str, error: dict[str, object]) -> None:
+        """``validating`` -> ``failed`` with ``error``, while this process still holds the validation claim."""
         async with self.store.tx() as conn:
-            if not await store_batches.claim_batch(
-                conn, batch.id, worker=self.worker_id, now_ms=now_ms(), ttl_ms=self.claim_ttl_ms
-            ):
-                return  # another process validates it
-            await store_rows.delete_rows(conn, batch.id)  # a validation cut short by a crash starts over
-            record = await store_files.get_file(conn, batch.input_file_id)
-        if record is None:
-            raise BatchFailure("file_not_found", f"The input file {batch.input_file_id} no longer exists.", "input_file_id")
-        if record.content_deleted_at is not None or (record.expires_at is not None and record.expires_at <= now()):
-            raise BatchFailure("file_expired", f"The input file {batch.input_file_id} has expired.", "input_file_id")
-        seen: set[str] = set()
-        models: set[str] = set()
-        errors: list[dict[str, object]] = []
-        page: list[dict[str, object]] = []
-        total = invalid = 0
-        async for number, raw in physical_lines(store_files.iter_content(self.store.engine, batch.input_file_id)):
-            if not raw.strip():
-                continue
-            total += 1
-            custom_id, body, model, error = check_line(self.ctx, batch.endpoint, raw, seen)
-            if error is not None:
-                invalid += 1
-                if len(errors) < MAX_LISTED_ERRORS:
-                    errors.append(error.as_batch_error(number))
-                page.append({"line": number, "custom_id": custom_id, "valid": False, "result": error_line(custom_id, number, error)})
-            else:
-                assert model is not None
-                models.add(model)
-                page.append({"line": number, "custom_id": custom_id, "valid": True, "body": json.dumps(body, ensure_ascii=False)})
-            if len(page) >= INSERT_PAGE:
-                await self._insert(batch.id, page)
-                page = []
-            if total % 2000 == 0:
-                async with self.store.tx() as conn:  # heartbeat, and let requests through
-                    await store_batches.claim_batch(
-                        conn, batch.id, worker=self.worker_id, now_ms=now_ms(), ttl_ms=self.claim_ttl_ms
-                    )
-        await self._insert(batch.id, page)
-        if total == 0:
-            raise BatchFailure("empty_file", "The input file has no request lines.", "input_file_id")
-        foreign = foreign_lease_holder(self.ctx, batch)
-        async with self.store.tx() as conn:
-            await store_batches.set_fields(conn, batch.id, total=total, failed=invalid)
-            if invalid < total and len(models) == 1 and foreign is not None:
-                raise BatchFailure("lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model")
-            if invalid == total or len(models) > 1:
-                failure = (
-                    BatchFailure("no_valid_lines", "No line of the input file is a valid request.")
-                    if invalid == total
-                    else BatchFailure(
-                        "multiple_models",
-                        "The valid lines name more than one model: " + ", ".join(sorted(models)) + ".",
-                        "model",
-                    )
+            status = await store_batches.hold_validation(
+                conn, batch_id, worker=self.worker_id, now_ms=now_ms(), ttl_ms=self.claim_ttl_ms
+            )
+            if status != "validating":  # cancelled meanwhile: the cancel wins, the runner finishes it as cancelled
+                await store_batches.set_fields(
+                    conn, batch_id, (status,), errors=[error], claimed_by=None, claimed_until=None
                 )
-                listed = [*errors, failure.as_batch_error()] if invalid == total else [failure.as_batch_error(), *errors]
-                current = await store_batches.get_batch(conn, batch.id)
-                if current is not None and current.status == "validating":
-                    await output.finish(
-                        conn,
-                        current,
-                        allowed=("validating",),
-                        to="failed",
-                        unrun_code="batch_cancelled",
-                        file_expiry_seconds=self.settings.file_default_expiry_seconds,
-                        extra={"errors": listed[: MAX_LISTED_ERRORS + 1]},
-                    )
                 return
             await store_batches.transition(
-                conn,
-                batch.id,
-                ("validating",),
-                "in_progress",
-                now(),
-                model=next(iter(models)),
-                errors=errors or None,
-                waiting_reason="queued",
+                conn, batch_id, ("validating",), "failed", now(), errors=[error], claimed_by=None, claimed_until=None
             )
-
-    async def _insert(self, batch_id: str, page: list[dict[str, object]]) -> None:
-        if page:
-            async with self.store.tx() as conn:
-                await store_rows.insert_rows(conn, batch_id, page)
 
     # -- running ----------------------------------------------------------------------------------------------
 
@@ -273,12 +215,13 @@ class BatchRunner:
                 skip_locked=self.store.skip_locked,
             )
             if not claimed:
-                if await store_rows.count_pending(conn, batch.id) == 0:
-                    await store_batches.transition(conn, batch.id, ("in_progress",), "finalizing", now())
-                    self.on_change(batch.id)
-                    return True
-                return False  # another worker holds the remaining rows
-        service = SERVICES[batch.endpoint]
+                if await store_rows.count_pending(conn, batch.id) > 0:
+                    return False  # another worker holds the remaining rows
+                # every row is recorded: the guard re-checks that in the statement itself
+                await store_batches.transition(conn, batch.id, ("in_progress",), "finalizing", now())
+        if not claimed:
+            self.on_change(batch.id)
+            return True
         try:
             async with self.ctx.gate.hold(Priority.BATCH) as slot, self._heartbeat(batch.id, token):
                 if not self._model_resident(batch):
@@ -286,45 +229,20 @@ class BatchRunner:
                     await self._set_waiting(batch, "model_not_resident", None)
                     return True
                 await self._set_waiting(batch, None, ready.holder)
-                started = time.monotonic()
-                # -- packing (pack: true on a packable endpoint): the window runs in length-aware packs ---------
-                if packing.packs(batch):
-                    limit = self.settings.batch_chunk_seconds
-                    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=ready.lease,
-                                should_stop=lambda: self._stopping or time.monotonic() - started > limit)  # fmt: skip
-                    await packing.run_window(ctx=self.ctx, store=self.store, service=service, batch_id=batch.id,
-                                             token=token, rows=claimed, call=call, settings=self.settings,
-                                             on_change=self.on_change)  # fmt: skip
-                    claimed = []  # every row was recorded above or is released below
-                # -- end of packing --------------------------------------------------------------------------------
-                for i, row in enumerate(claimed):
-                    if self._stopping or time.monotonic() - started > self.settings.batch_chunk_seconds:
-                        break
-                    if i > 0 and self.ctx.gate.queue_length(Priority.INTERACTIVE):
-                        break  # someone is waiting: end the chunk at this row boundary (rest is released below)
-                    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=ready.lease)
-                    try:
-                        ok, line, usage = await self._execute(service, row, call)
-                    except EngineUnavailableError:
-                        break  # not the row's fault: it stays pending and runs when the model is back
-                    async with self.store.tx() as conn:
-                        recorded = await store_rows.record(
-                            conn,
-                            batch_id=batch.id,
-                            line=row.line,
-                            token=token,
-                            ok=ok,
-                            result=line,
-                            input_tokens=usage[0],
-                            output_tokens=usage[1],
-                        )
-                        cancelled = await store_batches.get_status(conn, batch.id) == "cancelling"
-                    if not recorded:
-                        log.warning("batch %s line %d: claim lost, result dropped", batch.id, row.line)
-                        break
-                    self.on_change(batch.id)
-                    if cancelled:
-                        break  # a cancel arrived: end the chunk at this row boundary (the rest is released below)
+                await chunks.run_chunk(
+                    ctx=self.ctx,
+                    store=self.store,
+                    service=SERVICES[batch.endpoint],
+                    batch_id=batch.id,
+                    token=token,
+                    rows=claimed,
+                    plan=packing.batch_plan(self.settings, batch),
+                    slot=slot,
+                    lease=ready.lease,
+                    time_limit=self.settings.batch_chunk_seconds,
+                    stopping=lambda: self._stopping,
+                    on_change=self.on_change,
+                )
         finally:
             async with self.store.tx() as conn:
                 await store_rows.release_claim(conn, batch_id=batch.id, token=token)
@@ -354,22 +272,6 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _execute(
-        self, service: EndpointService, row: store_rows.ClaimedRow, call: Call
-    ) -> tuple[bool, str, tuple[int, int]]:
-        body = json.loads(row.body)
-        try:
-            result = await service.create(self.ctx, body, call)
-            assert isinstance(result, ServiceResult)
-            return True, output.success_line(row.custom_id, result), (result.prompt_tokens, result.completion_tokens)
-        except EngineUnavailableError:
-            raise
-        except APIError as exc:
-            return False, output.failure_line(row.custom_id, exc), (0, 0)
-        except Exception:
-            log.exception("row %s failed on the server", row.custom_id)
-            return False, output.failure_line(row.custom_id, ServerError(SERVER_ERROR_MESSAGE)), (0, 0)
-
     # -- finishing --------------------------------------------------------------------------------------------
 
     async def _finish(self, batch: BatchRecord, to: str, unrun_code: str | None) -> bool:
@@ -388,5 +290,3 @@ class BatchRunner:
         release_own_lease(self.ctx, batch.id)
         self.on_change(batch.id)
         return True
-
-

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Final
 
-TERMINAL: Final = frozenset({"completed", "failed", "expired", "cancelled"})
+from ..protocol.batches import TERMINAL
+
+__all__ = ["CANCELLABLE", "TERMINAL", "TRANSITIONS", "can_move", "sources"]
 
 #: status -> statuses it may move to.
 TRANSITIONS: Final[dict[str, frozenset[str]]] = {

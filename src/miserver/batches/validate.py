@@ -1,8 +1,9 @@
-"""Streamed validation of a batch input file (DESIGN §4, "Validation").
+"""Streamed validation of a batch input file (DESIGN §4, "Validation"): the line checks and their driver.
 
 The file is read chunk by chunk; each physical line is numbered from 1 (blank lines keep their number but are not
 requests). A line becomes a valid row or an error row whose error is exactly what the synchronous route would have
-answered for the same body (the endpoint service's own ``check`` in strict mode).
+answered for the same body (the endpoint service's own ``check`` in strict mode). :class:`Validator` drives a whole
+batch through it under the batch's validation claim.
 """
 
 from __future__ import annotations
@@ -12,16 +13,26 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from ..errors import (
     APIError,
     InvalidRequestError,
     MissingParameterError,
     UnknownParameterError,
 )
-from ..ids import random_id
+from ..ids import now, now_ms
 from ..protocol.common import check_text, find_unpaired_surrogate
 from ..services.context import ServiceContext
 from ..services.registry import SERVICES
+from ..settings import Settings
+from ..store import Store
+from ..store import batches as store_batches
+from ..store import files as store_files
+from ..store import rows as store_rows
+from ..store.batches import BatchRecord
+from . import output
+from .readiness import foreign_lease_holder
 
 LINE_KEYS = ("custom_id", "method", "url", "body")
 #: Longest custom_id accepted (the Anthropic Message Batches limit; OpenAI documents none).
@@ -84,20 +95,6 @@ async def physical_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[in
     if buf:
         number += 1
         yield number, buf[:-1] if buf.endswith(b"\r") else buf
-
-
-def error_line(custom_id: str | None, line: int, error: APIError) -> str:
-    """The error-file line of a line refused at validation."""
-    return json.dumps(
-        {
-            "id": random_id("batch_req_"),
-            "custom_id": custom_id,
-            "response": {"status_code": error.status_code, "request_id": random_id("req_"), "body": error.envelope()},
-            "error": None,
-            "millm": {"line": line},
-        },
-        ensure_ascii=False,
-    )
 
 
 def check_line(
@@ -170,3 +167,133 @@ def check_line(
     except APIError as exc:
         return cid, None, None, exc
     return cid, body, engine.info.model_id, None
+
+
+# -- the validation driver ----------------------------------------------------------------------------------------
+
+#: Rows inserted per transaction while validating.
+INSERT_PAGE = 500
+#: Lines between two heartbeats of the validation claim.
+HEARTBEAT_LINES = 2000
+
+
+@dataclass
+class Validator:
+    """Validates one ``validating`` batch for ``worker``: claims it, streams its input file through
+    :func:`check_line`, inserts the rows, and moves it to ``in_progress`` (or ``failed``), all guarded by the
+    validation claim (``store.batches.claim_validation``/``hold_validation``): a stale read can never restart a
+    finished validation or delete recorded rows, and every write lands only while the claim holds.
+
+    A cancel does not stop it: it reads the file to the end so that every line is accounted for, then leaves the
+    batch ``cancelling`` for the runner to finish. Raises :class:`~miserver.store.batches.StaleStatus` when the batch
+    finished meanwhile or another process took the claim over; :class:`BatchFailure` when the whole batch fails
+    validation.
+    """
+
+    store: Store
+    ctx: ServiceContext
+    settings: Settings
+    worker: str
+
+    async def _hold(self, conn: AsyncConnection, batch_id: str) -> str:
+        return await store_batches.hold_validation(
+            conn, batch_id, worker=self.worker, now_ms=now_ms(), ttl_ms=self._ttl_ms
+        )
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.settings.batch_claim_ttl_seconds * 1000)
+
+    async def _insert(self, batch_id: str, page: list[dict[str, object]]) -> None:
+        if page:
+            async with self.store.tx() as conn:
+                await self._hold(conn, batch_id)
+                await store_rows.insert_rows(conn, batch_id, page)
+
+    async def run(self, batch: BatchRecord) -> bool:
+        """Validate ``batch``; False when another live process holds its validation (nothing was done)."""
+        async with self.store.tx() as conn:
+            if not await store_batches.claim_validation(
+                conn, batch.id, worker=self.worker, now_ms=now_ms(), ttl_ms=self._ttl_ms
+            ):
+                return False
+            await store_rows.delete_rows(conn, batch.id, worker=self.worker)  # a validation cut short starts over
+            record = await store_files.get_file(conn, batch.input_file_id)
+        if record is None:
+            raise BatchFailure("file_not_found", f"The input file {batch.input_file_id} no longer exists.", "input_file_id")
+        if record.content_deleted_at is not None or (record.expires_at is not None and record.expires_at <= now()):
+            raise BatchFailure("file_expired", f"The input file {batch.input_file_id} has expired.", "input_file_id")
+        summary = ValidationSummary()
+        page: list[dict[str, object]] = []
+        seen: set[str] = set()
+        async for number, raw in physical_lines(self.store.file_content(batch.input_file_id)):
+            if not raw.strip():
+                continue
+            summary.total += 1
+            custom_id, body, model, error = check_line(self.ctx, batch.endpoint, raw, seen)
+            if error is not None:
+                summary.invalid += 1
+                if len(summary.errors) < MAX_LISTED_ERRORS:
+                    summary.errors.append(error.as_batch_error(number))
+                line = output.invalid_line(custom_id, number, error)
+                page.append({"line": number, "custom_id": custom_id, "valid": False, "result": line})
+            else:
+                assert model is not None
+                summary.valid += 1
+                summary.models.add(model)
+                page.append({"line": number, "custom_id": custom_id, "valid": True, "body": json.dumps(body, ensure_ascii=False)})  # fmt: skip
+            if len(page) >= INSERT_PAGE:
+                await self._insert(batch.id, page)
+                page = []
+            if summary.total % HEARTBEAT_LINES == 0:
+                async with self.store.tx() as conn:  # heartbeat; a cancel stops the validation here
+                    await self._hold(conn, batch.id)
+        await self._insert(batch.id, page)
+        if summary.total == 0:
+            raise BatchFailure("empty_file", "The input file has no request lines.", "input_file_id")
+        await self._close(batch, summary)
+        return True
+
+    async def _close(self, batch: BatchRecord, summary: ValidationSummary) -> None:
+        foreign = foreign_lease_holder(self.ctx, batch)
+        async with self.store.tx() as conn:
+            status = await self._hold(conn, batch.id)
+            await store_batches.set_fields(
+                conn, batch.id, (status,), total=summary.total, failed=summary.invalid, claimed_by=None, claimed_until=None
+            )
+            if status == "cancelling":
+                return  # cancelled while validating: every line is in, the runner finishes it as cancelled
+            if summary.valid and len(summary.models) == 1 and foreign is not None:
+                raise BatchFailure("lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model")
+            if not summary.valid or len(summary.models) > 1:
+                # One entry per invalid line (OpenAI's shape); a summary entry only where no line error explains
+                # the failure (several models).
+                listed = summary.errors
+                if summary.valid:
+                    models = ", ".join(sorted(summary.models))
+                    failure = BatchFailure(
+                        "multiple_models", f"The valid lines name more than one model: {models}.", "model"
+                    )
+                    listed = [failure.as_batch_error(), *summary.errors]
+                current = await store_batches.get_batch(conn, batch.id)
+                assert current is not None  # the claim held above
+                await output.finish(
+                    conn,
+                    current,
+                    allowed=("validating",),
+                    to="failed",
+                    unrun_code="batch_cancelled",
+                    file_expiry_seconds=self.settings.file_default_expiry_seconds,
+                    extra={"errors": listed[: MAX_LISTED_ERRORS + 1]},
+                )
+                return
+            await store_batches.transition(
+                conn,
+                batch.id,
+                ("validating",),
+                "in_progress",
+                now(),
+                model=next(iter(summary.models)),
+                errors=summary.errors or None,
+                waiting_reason="queued",
+            )

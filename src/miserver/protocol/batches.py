@@ -12,6 +12,13 @@ BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
 
+#: Every batch status (DESIGN §4), in lifecycle order.
+BATCH_STATUSES: tuple[BatchStatus, ...] = (
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+)  # fmt: skip
+#: The statuses a batch never leaves: the one definition the whole code base reads.
+TERMINAL: frozenset[str] = frozenset({"completed", "failed", "expired", "cancelled"})
+
 #: Endpoints a batch accepts in this release; the rest of DESIGN §3.2 are refused until they exist.
 BATCH_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/probes/score")
 
@@ -33,12 +40,54 @@ class BatchCreateRequest(RequestModel):
 
 
 class BatchInputLine(RequestModel):
-    """One line of a batch input file."""
+    """One line of a batch input file: ``{"custom_id", "method", "url", "body"}`` (DESIGN §3.3), parsed strictly
+    (an unknown line field is refused). The values are checked by ``batches.validate.check_line``."""
 
     custom_id: str
     method: str
     url: str
     body: dict[str, Any]
+
+
+class BatchLineError(ResponseModel):
+    """``error`` of an error-file line: the code and message of the row's error (the hosted reference's shape)."""
+
+    code: str | None
+    message: str
+
+
+class BatchLineResponseExtension(ResponseModel):
+    """``response.millm`` of an output line: whether the row ran in a pack, and its provenance headers."""
+
+    packed: bool
+    headers: dict[str, str]
+
+
+class BatchLineResponse(ResponseModel):
+    """``response`` of a result line: the synchronous route's status code and body."""
+
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+    millm: BatchLineResponseExtension | None = None
+
+
+class BatchLineExtension(ResponseModel):
+    """``millm`` of an error line refused at validation: its 1-based line number in the input file."""
+
+    line: int
+
+
+class BatchOutputLine(ResponseModel):
+    """One line of a batch's output or error file (DESIGN §3.3). ``response`` is null for a row that never ran;
+    ``error`` is null exactly on output (success) lines. Serialise with ``model_dump_json(exclude_unset=True)`` so
+    that the optional ``millm`` blocks appear only where they were set."""
+
+    id: str
+    custom_id: str | None
+    response: BatchLineResponse | None
+    error: BatchLineError | None
+    millm: BatchLineExtension | None = None
 
 
 class BatchError(ResponseModel):

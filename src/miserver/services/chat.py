@@ -155,6 +155,11 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
         return StreamResult(_stream(ctx, p.engine, p.gen, call, p.completion_id, include_usage), p.headers)
+    return await _execute(ctx, p, call)
+
+
+async def _execute(ctx: ServiceContext, p: _Prepared, call: Call) -> ServiceResult:
+    """The computation of a prepared, non-streamed request under the admission gate (or ``call.slot``)."""
     async with ctx.gate.hold(call.priority, call.slot):
         if p.scoring:
             result = (await p.engine.score(ScoreRequest(p.gen))).generation
@@ -173,13 +178,14 @@ PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
     build=_build_scored,
     run_pack=lambda engine, units: engine.score_many(units),
     run_one=lambda engine, unit: engine.score(unit),
-    create=create,
+    execute=_execute,
 )
 
 
-def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
-    """Many rows at once (a ``pack: true`` batch): scoring rows in the packs ``plan`` makes (``Engine.score_many``),
-    other rows one at a time through :func:`create`. Yields every row once, in no particular order."""
+def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
+    """Many rows at once (the batch runner's one call): with ``plan`` None each row as :func:`create` computes it;
+    with a planner (``pack: true``) scoring rows in the packs it makes (``Engine.score_many``), other rows one at a
+    time. Yields every row at most once (see :func:`~miserver.services.many.run_many`)."""
     return run_many(PACKING, ctx, bodies, call, plan)
 
 

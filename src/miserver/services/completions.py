@@ -49,8 +49,10 @@ def _prompts(engine: Engine, req: CompletionRequest) -> list[list[int]]:
     if isinstance(p, str):
         return [engine.tokenize(p)]
     if all(isinstance(x, str) for x in p):
-        return [engine.tokenize(x) for x in p]  # type: ignore[arg-type]
-    lists: list[list[int]] = [p] if all(isinstance(x, int) for x in p) else list(p)  # type: ignore[list-item]
+        return [engine.tokenize(x) for x in p if isinstance(x, str)]
+    # one token-id list, or several (the request model admits no mix)
+    flat = [x for x in p if isinstance(x, int)]
+    lists = [flat] if len(flat) == len(p) else [x for x in p if isinstance(x, list)]
     vocab = engine.vocab_size
     for i, ids in enumerate(lists):
         if not ids:
@@ -196,6 +198,11 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
         return StreamResult(_stream(ctx, p, call, include_usage), p.headers)
+    return await _execute(ctx, p, call)
+
+
+async def _execute(ctx: ServiceContext, p: _Prepared, call: Call) -> ServiceResult:
+    """The computation of a prepared, non-streamed request under the admission gate (or ``call.slot``)."""
     async with ctx.gate.hold(call.priority, call.slot):
         results = [await _run_prompt(p, gen) for gen in p.gens]
     return _build(p, results)
@@ -207,11 +214,11 @@ PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
     build=_build,
     run_pack=lambda engine, units: engine.score_many(units),
     run_one=lambda engine, unit: engine.score(unit),
-    create=create,
+    execute=_execute,
 )
 
 
-def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
+def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
     """Many rows at once (a ``pack: true`` batch): every prompt of every scoring-mode row in the packs ``plan``
     makes (``Engine.score_many``); other rows one at a time through :func:`create`. Yields every row once."""
     return run_many(PACKING, ctx, bodies, call, plan)

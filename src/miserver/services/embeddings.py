@@ -56,9 +56,10 @@ def _inputs(engine: Engine, req: EmbeddingRequest) -> list[list[int]]:
     if isinstance(x, str):
         lists, strings = [engine.tokenize(x)], True
     elif all(isinstance(v, str) for v in x):
-        lists, strings = [engine.tokenize(v) for v in x], True  # type: ignore[arg-type]
-    else:
-        lists = [x] if all(isinstance(v, int) for v in x) else list(x)  # type: ignore[list-item]
+        lists, strings = [engine.tokenize(v) for v in x if isinstance(v, str)], True
+    else:  # one token-id list, or several (the request model admits no mix)
+        flat = [v for v in x if isinstance(v, int)]
+        lists = [flat] if len(flat) == len(x) else [v for v in x if isinstance(v, list)]
         strings = False
     vocab = engine.vocab_size
     for i, ids in enumerate(lists):
@@ -114,7 +115,11 @@ def _build(p: _Prepared, vectors: list[Vector]) -> ServiceResult:
 
 async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult:
     """Embed every input of the request, each alone."""
-    p = _prepare(ctx, body, call)
+    return await _execute(ctx, _prepare(ctx, body, call), call)
+
+
+async def _execute(ctx: ServiceContext, p: _Prepared, call: Call) -> ServiceResult:
+    """The computation of a prepared request: every input alone, under the admission gate (or ``call.slot``)."""
     async with ctx.gate.hold(call.priority, call.slot):
         vectors = [await p.engine.embed(u) for u in p.units]
     return _build(p, vectors)
@@ -126,11 +131,11 @@ PACKING: Packing[_Prepared, PoolRequest, Vector] = Packing(
     build=_build,
     run_pack=lambda engine, units: engine.embed_many(units),
     run_one=lambda engine, unit: engine.embed(unit),
-    create=create,
+    execute=_execute,
 )
 
 
-def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan) -> AsyncIterator[Outcome]:
+def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
     """Many rows at once (a ``pack: true`` batch): every input of every row in the packs ``plan`` makes
     (``Engine.embed_many``). A row refused at checking fails alone. Yields every row once."""
     return run_many(PACKING, ctx, bodies, call, plan)

@@ -1,13 +1,20 @@
-"""The many-rows call of the packable endpoints (DESIGN §2 and §4, "Packing").
+"""The many-rows call of every endpoint service (DESIGN §2 and §4): the one way the batch runner runs rows.
 
-Packing is an engine capability (``score_many``, ``embed_many``); this module is how the services expose it. A
-packable service checks each row exactly as its synchronous route does and turns it into *units* (one engine
-request per prompt or input) plus a builder that makes the row's response from its units' results with the
-synchronous route's own code. :func:`run_rows` asks the caller's planner to group all units into packs, runs each
-pack through the engine under the admission gate, and yields each row as soon as all its units are done.
+Every endpoint service exposes ``create_many(ctx, bodies, call, plan)``, an async iterator of one
+:class:`Outcome` per body. With ``plan=None`` (``pack: false``) each row is checked, tokenised and seeded once by the
+service's ``prepare`` and computed by its ``execute``: exactly the synchronous route's code (``create`` is
+``prepare`` then ``execute``), in row order. With a planner (``pack: true``), a packable service also turns each
+checked row into *units* (one engine request per prompt or input) plus a builder that makes the row's response from
+its units' results with the synchronous route's own code; :func:`run_rows` asks the planner to group the units into
+packs (an engine capability: ``score_many``, ``embed_many``) and yields each row as soon as all its units are done.
 
 A row refused at checking fails alone (its error is the synchronous route's). When the engine fails on a whole pack
-(a server fault such as running out of memory) the pack's units are retried one at a time.
+(a server fault such as running out of memory) the pack's units are retried one at a time. An
+:class:`~miserver.errors.EngineUnavailableError` (no model resident) is not a row's fault: it propagates, and the
+caller leaves the rows not yet yielded unrun. Before each row or pack ``call.stopped()`` is asked; once true, the
+rows not yet complete are not yielded (the runner's time bound, cancel and interactive-first rules live there).
+The consumer (``batches.chunks``) does not care in which order or with what concurrency outcomes arrive, so an
+executor that keeps several requests in flight plugs in behind the same iterator.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..engines.base import Engine
-from ..errors import SERVER_ERROR_MESSAGE, APIError, ServerError
+from ..errors import SERVER_ERROR_MESSAGE, APIError, EngineUnavailableError, ServerError
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 
 log = logging.getLogger("miserver.services")
@@ -80,7 +87,8 @@ class Packing(Generic[P, PU, R]):
       (a generation row, a stream);
     - ``build(prepared, results)``: the row's response from its units' results, in unit order;
     - ``run_pack(engine, units)`` / ``run_one(engine, unit)``: the engine calls for a pack and for one unit;
-    - ``create``: the synchronous route's code, for the rows that do not pack.
+    - ``execute(ctx, prepared, call)``: the synchronous route's computation of one prepared row (takes the
+      admission gate, or uses ``call.slot``), for the rows that do not pack.
     """
 
     prepare: Callable[[ServiceContext, Any, Call], P]
@@ -88,24 +96,29 @@ class Packing(Generic[P, PU, R]):
     build: Callable[[P, list[R]], ServiceResult]
     run_pack: Callable[[Engine, list[PU]], Awaitable[list[R]]]
     run_one: Callable[[Engine, PU], Awaitable[R]]
-    create: Create
+    execute: Callable[[ServiceContext, P, Call], Awaitable[ServiceResult]]
 
 
 async def run_many(
-    packing: Packing[P, PU, R], ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan
+    packing: Packing[P, PU, R], ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None
 ) -> AsyncIterator[Outcome]:
-    """Many rows at once (a ``pack: true`` batch): each body checked as its synchronous route checks it; the units
-    of the packable rows in the packs ``plan`` makes (:func:`run_rows`); the other rows one at a time through
-    ``packing.create``. A row refused at checking fails alone. Yields every row once, in no particular order.
+    """Many rows at once: each body checked as its synchronous route checks it (once); with ``plan`` None every row
+    through ``packing.execute`` in row order (the synchronous computation); with a planner the units of the
+    packable rows in the packs it makes (:func:`run_rows`), the other rows one at a time through ``execute``, each
+    row or pack started in the order of its first row. Yields every row at most once (none after
+    ``call.stopped()``); rows complete in no particular order.
 
     Only rows served by one engine pack together (the first row's); a row for another engine runs alone.
+    Raises :class:`~miserver.errors.EngineUnavailableError` when the engine cannot take a row now.
     """
     rows: list[RowUnits[PU, R]] = []
-    singles: list[int] = []
+    singles: list[tuple[int, P]] = []
     engine: Engine | None = None
     for i, body in enumerate(bodies):
         try:
             p = packing.prepare(ctx, body, call)
+        except EngineUnavailableError:
+            raise
         except APIError as exc:
             yield Outcome(i, exc, False)
             continue
@@ -113,13 +126,13 @@ async def run_many(
             yield server_error(i, "checking failed")
             continue
         engine = engine or p.engine
-        units = packing.units(p) if p.engine is engine else None
+        units = packing.units(p) if plan is not None and p.engine is engine else None
         if units is None:
-            singles.append(i)
+            singles.append((i, p))
         else:
             rows.append(RowUnits(i, units, partial(packing.build, p)))
-    if engine is not None and rows:
-        async for outcome in run_rows(
+    packed = (
+        run_rows(
             ctx,
             call,
             rows,
@@ -127,10 +140,39 @@ async def run_many(
             run_one=partial(packing.run_one, engine),
             length=lambda u: len(u.prompt_ids),
             plan=plan,
-        ):
-            yield outcome
-    async for outcome in run_singles(packing.create, ctx, bodies, singles, call):
-        yield outcome
+        )
+        if engine is not None and rows and plan is not None
+        else None
+    )
+    # Interleave the singles with the packs by row order: a single row runs once every pack holding an earlier row
+    # has run (``run_rows`` starts its packs in the order of their first row, see ``_ordered``).
+    try:
+        pending = sorted(singles, key=lambda s: s[0])
+        if packed is not None:
+            async for outcome in packed:
+                while pending and pending[0][0] < outcome.index and not call.stopped():
+                    i, p = pending.pop(0)
+                    yield await run_single(packing.execute, ctx, p, call, i)
+                yield outcome
+    finally:
+        if packed is not None:
+            await packed.aclose()  # type: ignore[attr-defined]
+    for i, p in pending:
+        if call.stopped():
+            return
+        yield await run_single(packing.execute, ctx, p, call, i)
+
+
+async def run_each(
+    create: Create, ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None = None
+) -> AsyncIterator[Outcome]:
+    """The many-rows call of a service that never packs (probes): every row through the synchronous route's
+    ``create``, in row order (``plan`` is accepted for the common signature and ignored: nothing here can pack)."""
+    del plan
+    for i, body in enumerate(bodies):
+        if call.stopped():
+            return
+        yield await run_single(create, ctx, body, call, i)
 
 
 def server_error(index: int, what: str) -> Outcome:
@@ -165,6 +207,7 @@ async def run_rows(
     flat = [(r, j) for r, row in enumerate(rows) for j in range(len(row.units))]
     packs = plan([length(rows[r].units[j]) for r, j in flat])
     check_partition(packs, len(flat))
+    packs.sort(key=lambda pack: min(flat[k][0] for k in pack))  # start packs in the order of their first row
     results: list[list[Any]] = [[None] * len(row.units) for row in rows]
     left = [len(row.units) for row in rows]
     packed = [False] * len(rows)
@@ -175,7 +218,9 @@ async def run_rows(
         alone = len(units) == 1  # a pack of one computes exactly what the unit computes alone
         async with ctx.gate.hold(call.priority, call.slot):
             try:
-                answers: list[Any] = list(await run_pack(units))
+                answers: list[Any] = [await run_one(units[0])] if alone else list(await run_pack(units))
+            except EngineUnavailableError:
+                raise
             except Exception:
                 log.exception("a pack of %d units failed; running them one at a time", len(units))
                 alone = True
@@ -210,31 +255,19 @@ def _finish(row: RowUnits[Any, Any], results: list[Any], packed: bool) -> Outcom
         return server_error(row.index, "building the response failed")
 
 
-async def run_singles(
-    create: Create,
-    ctx: ServiceContext,
-    bodies: list[Any],
-    indexes: list[int],
-    call: Call,
-) -> AsyncIterator[Outcome]:
-    """The rows at ``indexes`` that do not pack, one at a time through the synchronous route's ``create``
-    (``packed`` false). Before each row ``call.stopped()`` is asked; once true, the rest are not yielded."""
-    for index in indexes:
-        if call.stopped():
-            return
-        yield await run_single(create, ctx, bodies[index], call, index)
-
-
 async def run_single(
-    create: Create,
+    run: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]],
     ctx: ServiceContext,
-    body: Any,
+    row: Any,
     call: Call,
     index: int,
 ) -> Outcome:
-    """A row that does not pack, through the synchronous route's ``create``: ``packed`` false."""
+    """A row that does not pack, through ``run`` (a service's ``execute`` of a prepared row, or its ``create`` of a
+    body): ``packed`` false. Re-raises :class:`~miserver.errors.EngineUnavailableError`."""
     try:
-        result = await create(ctx, body, call)
+        result = await run(ctx, row, call)
+    except EngineUnavailableError:
+        raise
     except APIError as exc:
         return Outcome(index, exc, False)
     except Exception:

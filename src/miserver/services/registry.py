@@ -4,30 +4,30 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from . import chat, completions, embeddings, probes
 from .context import Call, ServiceContext, ServiceResult, StreamResult
-from .many import Outcome, Plan
+from .many import Outcome, Plan, run_each
 
 
 @dataclass(frozen=True)
 class EndpointService:
-    """``check`` validates a body without running it; ``create`` runs it (the synchronous route's code).
-
-    ``create_many``, on packable endpoints, runs many bodies at once (a ``pack: true`` batch): the packable work of
-    all of them in the packs a planner makes, the rest one at a time through ``create``; it yields one
-    :class:`~miserver.services.many.Outcome` per body, in no particular order.
-    """
+    """One endpoint's service: ``check`` validates a body without running it; ``create`` runs it (the synchronous
+    route's code); ``create_many`` runs many bodies (the batch runner's one call, see
+    :func:`~miserver.services.many.run_many`): with ``plan`` None each body as ``create`` computes it, with a
+    planner the packable work in packs. ``packable`` says whether a planner changes anything (``pack: true``)."""
 
     check: Callable[..., tuple[Any, Any]]
     create: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]]
-    create_many: Callable[[ServiceContext, list[Any], Call, Plan], AsyncIterator[Outcome]] | None = None
+    create_many: Callable[[ServiceContext, list[Any], Call, Plan | None], AsyncIterator[Outcome]]
+    packable: bool
 
 
 SERVICES: dict[str, EndpointService] = {
-    "/v1/chat/completions": EndpointService(chat.check, chat.create, chat.create_many),
-    "/v1/completions": EndpointService(completions.check, completions.create, completions.create_many),
-    "/v1/embeddings": EndpointService(embeddings.check, embeddings.create, embeddings.create_many),
-    "/api/probes/score": EndpointService(probes.check, probes.create),
+    "/v1/chat/completions": EndpointService(chat.check, chat.create, chat.create_many, True),
+    "/v1/completions": EndpointService(completions.check, completions.create, completions.create_many, True),
+    "/v1/embeddings": EndpointService(embeddings.check, embeddings.create, embeddings.create_many, True),
+    "/api/probes/score": EndpointService(probes.check, probes.create, partial(run_each, probes.create), False),
 }

@@ -1,7 +1,9 @@
 """Stored batches: records, guarded status transitions, listing. Only this module writes ``batches.status``.
 
-A transition is one ``UPDATE ... WHERE id = :id AND status IN (:allowed)``: it returns False instead of
-overwriting a status that moved on (a terminal status is never overwritten).
+Every write is one ``UPDATE ... WHERE id = :id AND status IN (:allowed)`` that names the statuses it may leave, and
+a write that matches no row raises :class:`StaleStatus` (DESIGN §10): a stale read can never overwrite a status that
+moved on, undo recorded work or restart a finished validation. :func:`try_transition` is the one exception, for
+callers to whom a miss is an answer (a cancel of a batch that already ended).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from .schema import TERMINAL_STATUSES, batches
+from .schema import TERMINAL_STATUSES, batch_rows, batches
 
 
 @dataclass(frozen=True)
@@ -124,44 +126,135 @@ async def active_batches(conn: AsyncConnection) -> list[BatchRecord]:
     return [BatchRecord.from_row(r) for r in (await conn.execute(q)).all()]
 
 
-async def transition(
-    conn: AsyncConnection, batch_id: str, allowed: tuple[str, ...], to: str, at: int, **values: Any
-) -> bool:
-    """Move ``batch_id`` to status ``to`` (stamping ``<to>_at``) only if its status is in ``allowed``.
+class StaleStatus(Exception):
+    """A guarded write matched no row: the batch is gone or no longer in a status the write may leave.
 
-    ``values`` are further columns to set in the same statement (``errors`` is JSON-encoded).
-    Returns whether the row changed.
+    Raised by every status-changing statement of this module (DESIGN §10: a miss is loud). ``batch_id`` names the
+    batch, ``expected`` the statuses the statement accepted, ``what`` the write.
     """
+
+    def __init__(self, batch_id: str, expected: tuple[str, ...], what: str) -> None:
+        super().__init__(f"batch {batch_id}: {what} matched no row (expected status in {list(expected)})")
+        self.batch_id = batch_id
+        self.expected = expected
+        self.what = what
+
+
+#: Statuses a transition to the key may only take when the batch has no pending row left.
+_NEEDS_NO_PENDING = frozenset({"finalizing", "completed"})
+
+
+def _encode(values: dict[str, Any]) -> dict[str, Any]:
     if "errors" in values:
         errors = values.pop("errors")
         values["errors_json"] = json.dumps(errors) if errors is not None else None
-    stmt = (
-        update(batches)
-        .where(batches.c.id == batch_id, batches.c.status.in_(allowed))
-        .values(status=to, **{f"{to}_at": at}, **values)
-    )
+    return values
+
+
+async def try_transition(
+    conn: AsyncConnection, batch_id: str, allowed: tuple[str, ...], to: str, at: int, **values: Any
+) -> bool:
+    """Move ``batch_id`` to status ``to`` (stamping ``<to>_at``) only if its status is in ``allowed``; one statement.
+
+    ``values`` are further columns to set in the same statement (``errors`` is JSON-encoded). A move to
+    ``finalizing`` or ``completed`` also requires that no row of the batch is pending (a stale read can never finish
+    a batch with unrun rows). Returns whether the row changed: for the callers that expect a miss (a cancel of a
+    batch that already ended); every other caller uses :func:`transition`.
+    """
+    cond = [batches.c.id == batch_id, batches.c.status.in_(allowed)]
+    if to in _NEEDS_NO_PENDING:
+        cond.append(
+            ~select(batch_rows.c.line)
+            .where(batch_rows.c.batch_id == batch_id, batch_rows.c.state == "pending")
+            .exists()
+        )
+    stmt = update(batches).where(*cond).values(status=to, **{f"{to}_at": at}, **_encode(values))
     return (await conn.execute(stmt)).rowcount == 1
 
 
-async def set_fields(conn: AsyncConnection, batch_id: str, **values: Any) -> None:
-    """Set non-status columns (``waiting_reason``, ``model``, ``errors``...)."""
-    if "errors" in values:
-        errors = values.pop("errors")
-        values["errors_json"] = json.dumps(errors) if errors is not None else None
-    await conn.execute(update(batches).where(batches.c.id == batch_id).values(**values))
+async def transition(
+    conn: AsyncConnection, batch_id: str, allowed: tuple[str, ...], to: str, at: int, **values: Any
+) -> None:
+    """:func:`try_transition` that raises :class:`StaleStatus` when nothing matched (the status moved on, or a
+    move to ``finalizing``/``completed`` found pending rows)."""
+    if not await try_transition(conn, batch_id, allowed, to, at, **values):
+        raise StaleStatus(batch_id, allowed, f"move to {to!r}")
 
 
-async def claim_batch(conn: AsyncConnection, batch_id: str, *, worker: str, now_ms: int, ttl_ms: int) -> bool:
-    """Claim a batch for work that one process must do alone (validation). True when ``worker`` holds it now.
+async def set_fields(conn: AsyncConnection, batch_id: str, allowed: tuple[str, ...], **values: Any) -> None:
+    """Set non-status columns (``waiting_reason``, ``total``, ``caller_lease``...) of a batch whose status is in
+    ``allowed``, in one statement. Raises :class:`StaleStatus` when the batch is gone or its status moved on."""
+    stmt = (
+        update(batches)
+        .where(batches.c.id == batch_id, batches.c.status.in_(allowed))
+        .values(**_encode(dict(values)))
+    )
+    if (await conn.execute(stmt)).rowcount != 1:
+        raise StaleStatus(batch_id, allowed, "set " + ", ".join(sorted(values)))
 
-    The claim is free, already ``worker``'s, or past its deadline (its process died); it lasts ``ttl_ms``.
+
+async def claim_validation(
+    conn: AsyncConnection, batch_id: str, *, worker: str, now_ms: int, ttl_ms: int
+) -> bool:
+    """Claim (or extend the claim on) a ``validating`` batch's validation for ``worker``, in one statement.
+
+    True when ``worker`` holds it now: the claim was free, already ``worker``'s, or past its deadline (its process
+    died); it lasts ``ttl_ms`` milliseconds. False when another live process holds it or the batch's file was
+    already validated to its end (:func:`needs_validation`): a stale read can never restart a finished validation.
     """
+    unvalidated = (batches.c.status == "validating") | (
+        (batches.c.status == "cancelling")
+        & batches.c.in_progress_at.is_(None)
+        & (batches.c.total == 0)
+        & batches.c.errors_json.is_(None)
+    )
     stmt = (
         update(batches)
         .where(
             batches.c.id == batch_id,
+            unvalidated,
             (batches.c.claimed_by.is_(None)) | (batches.c.claimed_by == worker) | (batches.c.claimed_until < now_ms),
         )
         .values(claimed_by=worker, claimed_until=now_ms + ttl_ms)
     )
     return (await conn.execute(stmt)).rowcount == 1
+
+
+def needs_validation(batch: BatchRecord) -> bool:
+    """Whether ``batch``'s input file was never validated to its end: it is ``validating``, or it was cancelled
+    before its validation finished (its lines are read anyway, so that every line is accounted for). The same
+    condition guards :func:`claim_validation`."""
+    if batch.status == "validating":
+        return True
+    return batch.status == "cancelling" and batch.in_progress_at is None and batch.total == 0 and batch.errors is None
+
+
+#: A validation goes on to the end of its file after a cancel, so that every line is accounted for (as invalid or
+#: ``batch_cancelled``); it stops once the batch is finished or another process took its claim.
+VALIDATION_STATUSES = ("validating", "cancelling")
+
+
+async def hold_validation(
+    conn: AsyncConnection, batch_id: str, *, worker: str, now_ms: int, ttl_ms: int
+) -> str:
+    """Extend ``worker``'s validation claim and return the batch's status (``validating`` or ``cancelling``).
+
+    Raises :class:`StaleStatus` when the batch left those statuses or another process took the claim over. Called in
+    the transaction of every write of a validation, so the write lands only while the claim holds (the row lock on
+    the batch keeps it so until commit).
+    """
+    stmt = (
+        update(batches)
+        .where(batches.c.id == batch_id, batches.c.status.in_(VALIDATION_STATUSES), batches.c.claimed_by == worker)
+        .values(claimed_until=now_ms + ttl_ms)
+        .returning(batches.c.status)
+    )
+    status = (await conn.execute(stmt)).scalar()
+    if status is None:
+        raise StaleStatus(batch_id, VALIDATION_STATUSES, f"validation claim of {worker}")
+    return str(status)
+
+
+def validation_live(batch: BatchRecord, *, worker: str, now_ms: int) -> bool:
+    """Whether another process holds a live validation claim on ``batch`` (its cancel must wait for it)."""
+    return batch.claimed_by not in (None, worker) and (batch.claimed_until or 0) >= now_ms

@@ -19,6 +19,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from .schema import TERMINAL_STATUSES, batch_rows, batches
 
 PAGE_ROWS = 1000
+#: A row's result may be recorded only while its batch has one of these statuses (a running row finishes and is
+#: recorded after a cancel arrives, DESIGN §4).
+RECORDING_STATUSES = ("in_progress", "cancelling")
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,23 @@ async def insert_rows(conn: AsyncConnection, batch_id: str, rows: list[dict[str,
     await conn.execute(insert(batch_rows), values)
 
 
-async def delete_rows(conn: AsyncConnection, batch_id: str) -> None:
-    """Forget a batch's rows (validation restarting after a crash)."""
-    await conn.execute(batch_rows.delete().where(batch_rows.c.batch_id == batch_id))
+async def delete_rows(conn: AsyncConnection, batch_id: str, *, worker: str) -> int:
+    """Forget a batch's rows (a validation restarting after a crash), in one statement guarded by the validation
+    claim: rows are deleted only while ``worker`` holds the claim of a batch that never reached ``in_progress`` (so
+    none of its rows ever ran), so recorded rows can never be deleted by a stale validation. Returns the number of
+    rows deleted."""
+    holder = (
+        select(batches.c.id)
+        .where(
+            batches.c.id == batch_id,
+            batches.c.status.in_(("validating", "cancelling")),
+            batches.c.in_progress_at.is_(None),
+            batches.c.claimed_by == worker,
+        )
+        .exists()
+    )
+    result = await conn.execute(batch_rows.delete().where(batch_rows.c.batch_id == batch_id, holder))
+    return int(result.rowcount or 0)
 
 
 async def claim(
@@ -159,8 +176,14 @@ async def record(
 ) -> bool:
     """Record a row's result line and bump the batch's counters, in the caller's transaction.
 
-    Returns False (and changes nothing) when the row is already recorded or the claim was taken over.
+    Returns False (and changes nothing) when the row is already recorded, the claim was taken over or fenced off by
+    a finish (:func:`fence_unrun`), or the batch is no longer running (``in_progress`` or ``cancelling``).
     """
+    running = (
+        select(batches.c.id)
+        .where(batches.c.id == batch_id, batches.c.status.in_(RECORDING_STATUSES))
+        .exists()
+    )
     changed = await conn.execute(
         update(batch_rows)
         .where(
@@ -168,6 +191,7 @@ async def record(
             batch_rows.c.line == line,
             batch_rows.c.state == "pending",
             batch_rows.c.claim_token == token,
+            running,
         )
         .values(
             state="done",
@@ -187,6 +211,20 @@ async def record(
         values["output_tokens"] = batches.c.output_tokens + output_tokens
     await conn.execute(update(batches).where(batches.c.id == batch_id).values(**values))
     return True
+
+
+async def fence_unrun(conn: AsyncConnection, batch_id: str) -> int:
+    """Drop every claim on the batch's pending rows (a finish, in its own transaction, before it writes the files).
+
+    A worker still running one of those rows can no longer record it (its token is gone; on PostgreSQL this
+    statement holds the rows' locks until the finish commits), so a row written to the files as never run is never
+    also recorded and counted. Returns the number of rows fenced."""
+    result = await conn.execute(
+        update(batch_rows)
+        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.state == "pending")
+        .values(claim_token=None, claimed_by=None, claimed_until=None)
+    )
+    return int(result.rowcount or 0)
 
 
 async def count_pending(conn: AsyncConnection, batch_id: str) -> int:

@@ -24,6 +24,8 @@ from sqlalchemy import (
     text,
 )
 
+from ..protocol.batches import BATCH_STATUSES, TERMINAL  # the one definition of the statuses (DESIGN §4)
+
 metadata = MetaData(
     naming_convention={
         "ix": "ix_%(column_0_label)s",
@@ -34,8 +36,8 @@ metadata = MetaData(
     }
 )
 
-BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
-TERMINAL_STATUSES = ("failed", "completed", "expired", "cancelled")
+#: The terminal statuses as a sorted tuple (for ``IN (...)`` clauses).
+TERMINAL_STATUSES: tuple[str, ...] = tuple(sorted(TERMINAL))
 
 files = Table(
     "files",

@@ -1,0 +1,125 @@
+"""The one row loop: run a claimed chunk of rows through its endpoint service and record each result exactly once.
+
+Every batch row, packed or not, whatever the endpoint, passes through :func:`run_chunk`:
+
+1. the chunk's rows go to the endpoint service's one many-rows call (``EndpointService.create_many``) with the
+   batch's plan (``None``: each row alone, exactly the synchronous computation; a planner: length-aware packs);
+2. each :class:`~miserver.services.many.Outcome` becomes an output or error line (:mod:`miserver.batches.output`)
+   and is recorded in its own transaction, fenced by the claim token (a taken-over claim cannot record);
+3. the rules that end a chunk early live once, in the ``should_stop`` the service asks before each row or pack:
+   the runner is stopping, or a cancel arrived (read in the transaction of every record); and, once at least one
+   row was recorded (a chunk always makes progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is spent or an
+   interactive request waits for the gate (interactive first, DESIGN §5). A row or pack that already started
+   always finishes and is recorded.
+
+Rows left unrecorded stay pending; the caller releases the claim. Because the loop only consumes an async iterator of
+outcomes, an executor that keeps several requests in flight (an upstream pool, batched generation) plugs into the
+service side without a second loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..errors import APIError, EngineUnavailableError
+from ..scheduler import Priority, Slot
+from ..services.context import Call, ServiceContext
+from ..services.many import Outcome, Plan
+from ..services.registry import EndpointService
+from ..store import Store
+from ..store import batches as store_batches
+from ..store import rows as store_rows
+from . import output
+
+log = logging.getLogger("miserver.batches")
+
+
+@dataclass
+class ChunkReport:
+    """How a chunk ended: ``recorded`` rows; ``cancelled`` when a cancel was seen; ``claim_lost`` when a record was
+    refused (the claim was taken over); ``engine_unavailable`` when the engine could not take a row (it stays
+    pending)."""
+
+    recorded: int = 0
+    cancelled: bool = False
+    claim_lost: bool = False
+    engine_unavailable: bool = False
+
+
+def result_line(custom_id: str, outcome: Outcome) -> tuple[bool, str, int, int]:
+    """``(ok, line, input_tokens, output_tokens)`` of a row's outcome: its output line, or its error line (the
+    synchronous route's status and body). Usage counts only for rows that succeeded."""
+    if isinstance(outcome.result, APIError):
+        return False, output.failure_line(custom_id, outcome.result), 0, 0
+    result = outcome.result
+    line = output.success_line(custom_id, result, packed=outcome.packed)
+    return True, line, result.prompt_tokens, result.completion_tokens
+
+
+async def run_chunk(
+    *,
+    ctx: ServiceContext,
+    store: Store,
+    service: EndpointService,
+    batch_id: str,
+    token: str,
+    rows: Sequence[store_rows.ClaimedRow],
+    plan: Plan | None,
+    slot: Slot | None,
+    lease: str | None,
+    time_limit: float,
+    stopping: Callable[[], bool],
+    on_change: Callable[[str], None],
+) -> ChunkReport:
+    """Run ``rows`` (claimed under ``token``) while holding ``slot`` (None: each row or pack takes the admission gate
+    itself), recording each as it finishes.
+
+    ``time_limit`` is the chunk's time bound in seconds; ``stopping()`` answers true once the runner stops. Returns
+    a :class:`ChunkReport`; raises only for store faults (the rows then stay pending under the claim, which the
+    caller releases).
+    """
+    report = ChunkReport()
+    started = time.monotonic()
+
+    def should_stop() -> bool:
+        if stopping() or report.cancelled or report.claim_lost:
+            return True
+        if report.recorded == 0:
+            return False  # a chunk always makes progress: its first row or pack runs
+        return time.monotonic() - started > time_limit or ctx.gate.queue_length(Priority.INTERACTIVE) > 0
+
+    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=lease, should_stop=should_stop)
+    bodies = [json.loads(r.body) for r in rows]
+    outcomes = service.create_many(ctx, bodies, call, plan)
+    try:
+        async for outcome in outcomes:
+            row = rows[outcome.index]
+            ok, line, input_tokens, output_tokens = result_line(row.custom_id, outcome)
+            async with store.tx() as conn:
+                recorded = await store_rows.record(
+                    conn,
+                    batch_id=batch_id,
+                    line=row.line,
+                    token=token,
+                    ok=ok,
+                    result=line,
+                    input_tokens=input_tokens,
+                    output_tokens=output_tokens,
+                )
+                status = await store_batches.get_status(conn, batch_id)
+            if not recorded:
+                log.warning("batch %s line %d: claim lost, result dropped", batch_id, row.line)
+                report.claim_lost = True
+                break
+            report.recorded += 1
+            report.cancelled = status == "cancelling"
+            on_change(batch_id)
+    except EngineUnavailableError:
+        report.engine_unavailable = True  # not the row's fault: it stays pending and runs when the model is back
+    finally:
+        await outcomes.aclose()  # type: ignore[attr-defined]
+    return report

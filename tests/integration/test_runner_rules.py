@@ -1,0 +1,319 @@
+"""The batch runner's rules on a fake engine, in-process, on SQLite and PostgreSQL (no spawned server).
+
+Covers the race of issue 9 (a stale snapshot re-validating a running batch and deleting its recorded rows), the
+guards of every state change, the one row loop's early ends (cancel at a row boundary, interactive first, the time
+bound, a lost claim), waiting reasons, and two runners racing the same batches on one database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from miserver.batches.runner import BatchRunner
+from miserver.ids import now, ordered_id
+from miserver.scheduler import AdmissionGate, Priority
+from miserver.services.context import ServiceContext
+from miserver.settings import Settings
+from miserver.store import Store
+from miserver.store import batches as sb
+from miserver.store import files as sf
+from miserver.store import rows as sr
+from miserver.store.batches import BatchRecord, StaleStatus
+from tests.support.fake_engine import MODEL, FakeEngine
+
+ENDPOINT = "/v1/embeddings"
+
+
+def settings(**overrides: Any) -> Settings:
+    values: dict[str, Any] = {"batch_chunk_rows": 2, "batch_chunk_seconds": 3600.0, "batch_poll_seconds": 0.05}
+    values.update(overrides)
+    return Settings(**values)
+
+
+def runner_for(store: Store, worker: str = "w1", engine: FakeEngine | None = None, **overrides: Any) -> BatchRunner:
+    ctx = ServiceContext(engine=engine or FakeEngine(), gate=AdmissionGate(1), rng=random.Random(0), store=store)
+    return BatchRunner(store, ctx, settings(**overrides), worker_id=worker)
+
+
+def fake(runner: BatchRunner) -> FakeEngine:
+    assert isinstance(runner.ctx.engine, FakeEngine)
+    return runner.ctx.engine
+
+
+def input_lines(prefix: str, count: int) -> bytes:
+    """``count`` embedding lines whose inputs have ``i + 1`` words of distinct lengths (so each row is traceable)."""
+    lines = []
+    for i in range(count):
+        body = {"model": MODEL, "input": f"{prefix} " + "w" * (i + 1)}
+        lines.append(json.dumps({"custom_id": f"{prefix}{i}", "method": "POST", "url": ENDPOINT, "body": body}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+async def create_batch(store: Store, content: bytes, *, window: int = 86400) -> BatchRecord:
+    file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
+    async with store.tx() as conn:
+        await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
+                             expires_at=None, chunks=[content])  # fmt: skip
+        return await sb.insert_batch(conn, batch_id=batch_id, endpoint=ENDPOINT, input_file_id=file_id,
+                                     completion_window="24h", created_at=now(), expires_at=now() + window,
+                                     metadata=None, pack=False, output_expires_seconds=None)  # fmt: skip
+
+
+async def get(store: Store, batch_id: str) -> BatchRecord:
+    async with store.tx() as conn:
+        batch = await sb.get_batch(conn, batch_id)
+    assert batch is not None
+    return batch
+
+
+async def rows_of(store: Store, batch_id: str) -> list[sr.StoredRow]:
+    async with store.tx() as conn:
+        return [r async for r in sr.iter_rows(conn, batch_id)]
+
+
+async def settle(*runners: BatchRunner, batch_ids: list[str], passes: int = 200) -> None:
+    """Step the runners until every batch is terminal (validation tasks run between passes)."""
+    store = runners[0].store
+    for _ in range(passes):
+        statuses = [(await get(store, b)).status for b in batch_ids]
+        if all(s in ("completed", "failed", "expired", "cancelled") for s in statuses):
+            return
+        for r in runners:
+            await r.step()
+        for r in runners:
+            if r._validations:
+                await asyncio.gather(*list(r._validations.values()), return_exceptions=True)
+    raise AssertionError(f"batches did not finish: {statuses}")
+
+
+async def output_lines(store: Store, batch: BatchRecord) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id:
+            data = b"".join([c async for c in store.file_content(file_id)])
+            found += [json.loads(x) for x in data.decode().splitlines()]
+    return found
+
+
+async def test_a_stale_snapshot_never_revalidates_a_running_batch(store: Store) -> None:
+    """The issue's reproduction: validate, record line 1, then validate again from the old snapshot."""
+    runner = runner_for(store, batch_chunk_rows=1)
+    snapshot = await create_batch(store, input_lines("a", 3))
+    assert await runner.validator.run(snapshot)
+    assert (await get(store, snapshot.id)).status == "in_progress"
+    await runner.advance(snapshot.id)  # one chunk: line 1
+    assert [r.state for r in await rows_of(store, snapshot.id)] == ["done", "pending", "pending"]
+
+    assert not await runner.validator.run(snapshot), "the claim names 'validating': a stale snapshot claims nothing"
+    runner._start_validation(snapshot)  # the runner's own path from the stale snapshot
+    await asyncio.gather(*runner._validations.values())
+    assert not runner._validations, "a finished validation task removes itself"
+    assert [r.state for r in await rows_of(store, snapshot.id)] == ["done", "pending", "pending"]
+    assert (await get(store, snapshot.id)).completed == 1
+
+    await settle(runner, batch_ids=[snapshot.id])
+    done = await get(store, snapshot.id)
+    assert (done.status, done.total, done.completed, done.failed) == ("completed", 3, 3, 0)
+    assert len(fake(runner).executed) == 3, "every row ran exactly once"
+
+
+async def test_a_batch_created_while_another_runs_waits_queued_then_runs(store: Store) -> None:
+    """The issue's journey: B created once A recorded its first row waits ``queued``, then completes all its rows."""
+    runner = runner_for(store)
+    a = await create_batch(store, input_lines("a", 10))
+    for _ in range(20):
+        await runner.step()
+        await asyncio.gather(*runner._validations.values())
+        if (await get(store, a.id)).completed:
+            break
+    b = await create_batch(store, input_lines("b", 4))
+    reasons = set()
+    for _ in range(200):
+        await runner.step()
+        await asyncio.gather(*runner._validations.values())
+        current_a, current_b = await get(store, a.id), await get(store, b.id)
+        if current_b.status == "in_progress" and current_a.status == "in_progress":
+            reasons.add(current_b.waiting_reason)
+        if current_a.terminal and current_b.terminal:
+            break
+    assert "queued" in reasons
+    for batch, count in ((a, 10), (b, 4)):
+        done = await get(store, batch.id)
+        assert (done.status, done.total, done.completed, done.failed) == ("completed", count, count, 0)
+        assert all(line["error"] is None for line in await output_lines(store, done))
+    assert len(fake(runner).executed) == 14
+
+
+async def test_every_state_change_is_guarded(store: Store) -> None:
+    runner = runner_for(store)
+    batch = await create_batch(store, input_lines("g", 3))
+    assert await runner.validator.run(batch)
+    async with store.tx() as conn:
+        with pytest.raises(StaleStatus):  # rows are pending: a stale read cannot finish the batch
+            await sb.transition(conn, batch.id, ("in_progress",), "finalizing", now())
+    async with store.tx() as conn:
+        with pytest.raises(StaleStatus):
+            await sb.transition(conn, batch.id, ("finalizing",), "completed", now())
+    async with store.tx() as conn:
+        assert await sr.delete_rows(conn, batch.id, worker="w1") == 0, "rows of a running batch are never deleted"
+    async with store.tx() as conn:
+        with pytest.raises(StaleStatus):
+            await sb.set_fields(conn, batch.id, ("validating",), total=99)
+    assert len(await rows_of(store, batch.id)) == 3
+
+    # A worker still running a row when the batch is cancelled and finished cannot record it afterwards.
+    async with store.tx() as conn:
+        claimed = await sr.claim(conn, batch_id=batch.id, limit=1, worker="w2", token="late", now_ms=0,
+                                 ttl_ms=10**12, skip_locked=store.skip_locked)  # fmt: skip
+        await sb.transition(conn, batch.id, ("in_progress",), "cancelling", now())
+    await runner.advance(batch.id)
+    done = await get(store, batch.id)
+    assert (done.status, done.completed, done.failed, done.total) == ("cancelled", 0, 3, 3)
+    async with store.tx() as conn:
+        assert not await sr.record(conn, batch_id=batch.id, line=claimed[0].line, token="late", ok=True,
+                                   result="{}", input_tokens=1, output_tokens=0)  # fmt: skip
+    async with store.tx() as conn:
+        with pytest.raises(StaleStatus):  # no waiting reason on a finished batch
+            await sb.set_fields(conn, batch.id, ("in_progress",), waiting_reason="queued")
+    assert (await get(store, batch.id)).completed == 0
+
+
+async def test_a_cancel_ends_the_chunk_at_the_next_row_boundary(store: Store) -> None:
+    runner = runner_for(store, batch_chunk_rows=5)
+    engine = fake(runner)
+    batch = await create_batch(store, input_lines("c", 5))
+    assert await runner.validator.run(batch)
+    engine.hold.clear()
+    chunk = asyncio.create_task(runner.advance(batch.id))
+    await engine.entered.wait()  # row 1 is inside the engine
+    async with store.tx() as conn:
+        assert await sb.try_transition(conn, batch.id, ("in_progress",), "cancelling", now())
+    engine.hold.set()
+    await chunk
+    assert len(engine.executed) == 1, "the running row finished; the rest of the chunk never ran"
+    await runner.advance(batch.id)
+    done = await get(store, batch.id)
+    assert (done.status, done.completed, done.failed) == ("cancelled", 1, 4)
+    codes = [x["error"]["code"] for x in await output_lines(store, done) if x["error"]]
+    assert codes == ["batch_cancelled"] * 4
+
+
+async def test_an_interactive_request_ends_the_chunk_after_one_row(store: Store) -> None:
+    runner = runner_for(store, batch_chunk_rows=5)
+    engine = fake(runner)
+    batch = await create_batch(store, input_lines("i", 5))
+    assert await runner.validator.run(batch)
+    engine.hold.clear()
+    chunk = asyncio.create_task(runner.advance(batch.id))
+    await engine.entered.wait()
+    interactive = asyncio.create_task(runner.ctx.gate.acquire(Priority.INTERACTIVE))
+    await asyncio.sleep(0)  # one loop turn: the request queues at the gate
+    assert runner.ctx.gate.queue_length(Priority.INTERACTIVE) == 1
+    engine.hold.set()
+    await chunk
+    runner.ctx.gate.release(await interactive)
+    assert len(engine.executed) == 1
+    assert [r.state for r in await rows_of(store, batch.id)] == ["done"] + ["pending"] * 4
+
+
+async def test_the_time_bound_ends_a_chunk_after_its_first_row(store: Store) -> None:
+    runner = runner_for(store, batch_chunk_rows=5, batch_chunk_seconds=1e-9)
+    batch = await create_batch(store, input_lines("t", 3))
+    assert await runner.validator.run(batch)
+    await runner.advance(batch.id)
+    assert len(fake(runner).executed) == 1, "a chunk always makes progress, then its time bound ends it"
+
+
+async def test_waiting_reasons(store: Store) -> None:
+    runner = runner_for(store)
+    batch = await create_batch(store, input_lines("w", 2))
+    assert await runner.validator.run(batch)
+    engine = runner.ctx.engine
+    runner.ctx.engine = None
+    assert not await runner.advance(batch.id)
+    assert (await get(store, batch.id)).waiting_reason == "model_not_resident"
+    runner.ctx.engine = engine
+    holder = runner.ctx.leases.acquire("alice", 60)
+    assert not await runner.advance(batch.id)
+    assert (await get(store, batch.id)).waiting_reason == "lease_unavailable"
+    runner.ctx.leases.release(holder.lease)
+    await settle(runner, batch_ids=[batch.id])
+    assert (await get(store, batch.id)).status == "completed"
+
+
+async def test_cancel_while_validating_accounts_for_every_line(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel that arrives mid-validation lets the validation read the file to its end: every line is accounted
+    for (invalid, or ``batch_cancelled``) and nothing runs."""
+    runner = runner_for(store)
+    content = input_lines("v", 6) + b"not json\n"
+    batch = await create_batch(store, content)
+    reading, resume = asyncio.Event(), asyncio.Event()
+    real = store.file_content
+
+    async def paused(file_id: str) -> AsyncIterator[bytes]:
+        if file_id != batch.input_file_id:
+            async for chunk in real(file_id):
+                yield chunk
+            return
+        yield content[:10]
+        reading.set()
+        await resume.wait()
+        yield content[10:]
+
+    monkeypatch.setattr(store, "file_content", paused)
+    runner._start_validation(batch)
+    validation = runner._validations[batch.id]
+    await reading.wait()
+    async with store.tx() as conn:
+        assert await sb.try_transition(conn, batch.id, ("validating",), "cancelling", now())
+    assert not await runner.advance(batch.id), "the cancel waits for the validation reading the file"
+    resume.set()
+    await validation
+    await runner.advance(batch.id)
+    done = await get(store, batch.id)
+    assert (done.status, done.total, done.completed, done.failed) == ("cancelled", 7, 0, 7)
+    assert not fake(runner).executed
+    lines = await output_lines(store, done)
+    assert sorted(x["error"]["code"] for x in lines) == ["batch_cancelled"] * 6 + ["invalid_json_line"]
+
+
+async def test_two_runners_racing_the_same_batches(store: Store) -> None:
+    """Two workers on one database advance the same batches concurrently (validation, chunks, finish, a cancel):
+    every row runs at most once, every batch ends with its counts adding up."""
+    one, two = runner_for(store, "w1"), runner_for(store, "w2")
+    prefixes = ["q" * (k + 1) for k in range(3)]  # distinct word lengths: every input of every batch is distinct
+    batches = [await create_batch(store, input_lines(p, 7)) for p in prefixes]
+    ids = [b.id for b in batches]
+
+    async def race(runner: BatchRunner) -> None:
+        for _ in range(300):
+            await runner.step()  # StaleStatus (the other worker moved a batch on) is handled there
+            if runner._validations:
+                await asyncio.gather(*list(runner._validations.values()), return_exceptions=True)
+            if all([(await get(store, b)).terminal for b in ids]):
+                return
+            await asyncio.sleep(0)
+
+    async def cancel_third() -> None:
+        for _ in range(10_000):
+            if (await get(store, ids[2])).completed:
+                break
+            await asyncio.sleep(0)
+        async with store.tx() as conn:
+            await sb.try_transition(conn, ids[2], ("in_progress",), "cancelling", now())
+
+    await asyncio.gather(race(one), race(two), cancel_third())
+    ran = fake(one).executed + fake(two).executed
+    assert len(ran) == len(set(ran)), "no row ran twice"
+    for batch_id in ids:
+        done = await get(store, batch_id)
+        assert done.terminal and done.completed + done.failed == done.total == 7
+        lines = await output_lines(store, done)
+        assert sorted(x["custom_id"] for x in lines) == sorted(f"{prefixes[ids.index(batch_id)]}{i}" for i in range(7))
+    assert (await get(store, ids[0])).status == (await get(store, ids[1])).status == "completed"
