@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from miserver.batches import chunks, packing
-from miserver.scheduler import Slot
 from miserver.engines.local.engine import LocalEngine
-from miserver.scheduler import AdmissionGate, Priority
+from miserver.scheduler import AdmissionGate, Priority, Slot
 from miserver.services.context import ServiceContext
 from miserver.services.registry import SERVICES
 from miserver.settings import Settings
@@ -36,12 +35,14 @@ def body(text: str, **extra: Any) -> dict[str, Any]:
 async def claimed_batch(store: Store, bodies: list[dict[str, Any]], token: str) -> list[sr.ClaimedRow]:
     """A ``pack: true`` chat batch in progress with ``bodies`` as rows, all claimed under ``token``."""
     async with store.tx() as conn:
-        await sf.insert_file(conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1, expires_at=None,
-                             chunks=[b"x"])  # fmt: skip
+        await sf.insert_file(conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1,
+                             expires_at=None, chunks=[b"x"])  # fmt: skip
         await sb.insert_batch(conn, batch_id="batch_1", endpoint="/v1/chat/completions", input_file_id="file-1",
                               completion_window="24h", created_at=1, expires_at=86401, metadata=None, pack=True,
                               output_expires_seconds=None)  # fmt: skip
-        rows = [{"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": json.dumps(b)} for i, b in enumerate(bodies)]
+        rows = [
+            {"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": json.dumps(b)} for i, b in enumerate(bodies)
+        ]
         await sr.insert_rows(conn, "batch_1", rows)
         await sb.set_fields(conn, "batch_1", ("validating",), total=len(bodies))
         await sb.transition(conn, "batch_1", ("validating",), "in_progress", 2)
@@ -73,7 +74,8 @@ async def test_a_window_records_every_row_once(engine: LocalEngine, store: Store
     assert engine.executions - before == len(TEXTS) + 1  # the over-long row never reaches the engine
     done = await results(store)
     assert sorted(done) == sorted(f"r{i}" for i in range(len(bodies)))
-    assert [done[f"r{i}"]["response"]["millm"]["packed"] for i in range(len(TEXTS) + 1)] == [True] * len(TEXTS) + [False]
+    packed = [done[f"r{i}"]["response"]["millm"]["packed"] for i in range(len(TEXTS) + 1)]
+    assert packed == [True] * len(TEXTS) + [False]
     assert done["r6"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
     async with store.tx() as conn:
         batch = await sb.get_batch(conn, "batch_1")

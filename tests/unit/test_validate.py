@@ -36,7 +36,17 @@ def line(**overrides: Any) -> bytes:
     return json.dumps({k: v for k, v in obj.items() if v is not ...}).encode()
 
 
-def check(ctx: ServiceContext, raw: bytes, seen: set[str] | None = None) -> tuple[str | None, str | None, str | None, int | None]:
+X = [{"role": "user", "content": "x"}]
+
+
+def chat(messages: Any = X, **extra: Any) -> bytes:
+    """A line whose body is a chat request for ``MODEL`` with ``messages`` and the ``extra`` fields after them."""
+    return line(body={"model": MODEL, "messages": messages, **extra})
+
+
+def check(
+    ctx: ServiceContext, raw: bytes, seen: set[str] | None = None
+) -> tuple[str | None, str | None, str | None, int | None]:
     cid, body, model, err = check_line(ctx, ENDPOINT, raw, set() if seen is None else seen)
     if err is None:
         return cid, None, model, None
@@ -62,20 +72,24 @@ def test_valid_line_resolves_model(ctx: ServiceContext) -> None:
         (line(body=...), "missing_required_parameter", "body"),
         (line(body=[1]), "invalid_type", "body"),
         (line(extra=1), "unknown_parameter", "extra"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}), "streaming_unsupported", "stream"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "foo": 1}), "unknown_parameter", "foo"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x", "foo": 1}]}), "unknown_parameter", "messages[0].foo"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y", "bar": 1}]}), "unknown_parameter", "messages[1].bar"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}]}), "unknown_parameter", "messages[0].content[0].foo"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True, "x": 1}}), "unknown_parameter", "stream_options.x"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x", "foo": 1}], "zed": 1}), "unknown_parameter", "zed"),
+        (chat(stream=True), "streaming_unsupported", "stream"),
+        (chat(foo=1), "unknown_parameter", "foo"),
+        (chat([{"role": "user", "content": "x", "foo": 1}]), "unknown_parameter", "messages[0].foo"),
+        (chat([*X, {"role": "user", "content": "y", "bar": 1}]), "unknown_parameter", "messages[1].bar"),
+        (
+            chat([{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}]),
+            "unknown_parameter",
+            "messages[0].content[0].foo",
+        ),
+        (chat(stream_options={"include_usage": True, "x": 1}), "unknown_parameter", "stream_options.x"),
+        (chat([{"role": "user", "content": "x", "foo": 1}], zed=1), "unknown_parameter", "zed"),
         (line(body={"model": MODEL}), "missing_required_parameter", "messages"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": None}]}), "missing_required_parameter", "messages[0].content"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 2**64}), "invalid_value", "seed"),
+        (chat([{"role": "user", "content": None}]), "missing_required_parameter", "messages[0].content"),
+        (chat(seed=2**64), "invalid_value", "seed"),
         (line(body={"model": MODEL, "messages": "hi"}), "invalid_type", "messages"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), "invalid_type", "temperature"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 3}), "invalid_value", "temperature"),
-        (line(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), "unsupported_parameter", "tools"),
+        (chat(temperature="hot"), "invalid_type", "temperature"),
+        (chat(temperature=3), "invalid_value", "temperature"),
+        (chat(tools=[{"type": "function"}]), "unsupported_parameter", "tools"),
         (line(body={"model": "other", "messages": [{"role": "user", "content": "x"}]}), "model_not_found", "model"),
     ],
 )
