@@ -20,14 +20,14 @@ from .api import embeddings as embeddings_api
 from .api import files as files_api
 from .api import health as health_api
 from .api import inference as inference_api
-from .api import models as models_api
 from .api import leases as leases_api
+from .api import models as models_api
 from .api import probes as probes_api
 from .api.common import AppState
 from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
+from .events import ProgressEvents
 from .ids import now, random_id
 from .protocol.common import param_path
-from .events import ProgressEvents
 from .runtime import EngineFactory, start_runtime
 from .settings import Settings
 
@@ -144,17 +144,18 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         err = exc.errors()[0]
         loc = tuple(p for p in err.get("loc", ()) if p not in ("query", "path", "body", "header"))
         param = param_path(loc) or None
-        return _error_response(InvalidRequestError(f"Invalid '{param}': {err.get('msg', 'invalid value')}.", param=param))
+        message = f"Invalid '{param}': {err.get('msg', 'invalid value')}."
+        return _error_response(InvalidRequestError(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return _error_response(NotFoundError("Unknown route.", code="unknown_url"))
         if exc.status_code == 405:
-            e = InvalidRequestError("Method not allowed for this route.", code="method_not_allowed")
-            return JSONResponse(e.envelope(), status_code=405)
-        e = APIError(str(exc.detail))
-        return JSONResponse(e.envelope(), status_code=exc.status_code)
+            refused = InvalidRequestError("Method not allowed for this route.", code="method_not_allowed")
+            return JSONResponse(refused.envelope(), status_code=405)
+        other = APIError(str(exc.detail))
+        return JSONResponse(other.envelope(), status_code=exc.status_code)
 
     for module in (inference_api, models_api, files_api, batches_api, leases_api, health_api):
         app.include_router(module.router)

@@ -68,11 +68,6 @@ class ContextLengthError(InvalidRequestError):
     default_code = "context_length_exceeded"
 
 
-class AuthenticationError(APIError):
-    status_code = 401
-    type = "authentication_error"
-
-
 class NotFoundError(APIError):
     """404: an object (file, batch) that does not exist."""
 
