@@ -206,8 +206,8 @@ def test_streaming_completion_equals_non_streamed(client: openai.OpenAI, server:
     # Like OpenAI's own stream, the chunks before the last carry "finish_reason": null, which the SDK's
     # CompletionChoice type (finish_reason: Literal["stop", "length", "content_filter"]) refuses in strict
     # validation; so this stream is read with the SDK in its default, non-strict mode.
-    lenient = openai.OpenAI(base_url=server.base_url + "/v1", api_key="test", max_retries=0)
-    chunks = list(lenient.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="test", max_retries=0) as lenient:
+        chunks = list(lenient.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
     assert all(c.choices[0].finish_reason is None for c in chunks[:-2]), "only the last choice chunk finishes"
     text = "".join(c.choices[0].text for c in chunks if c.choices)

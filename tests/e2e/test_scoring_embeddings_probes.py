@@ -86,8 +86,9 @@ def test_embeddings_sync_float_base64_and_errors(server: ServerProcess) -> None:
     assert raw.status_code == 200 and raw.headers["x-millm-model"] == "tiny"
     for d, f in zip(raw.json()["data"], floats.data):
         assert np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist() == f.embedding
-    lenient = openai.OpenAI(base_url=server.base_url + "/v1", api_key="test", max_retries=0)
-    assert [d.embedding for d in lenient.embeddings.create(model="tiny", input=TEXTS).data] == [
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="test", max_retries=0) as lenient:
+        default = lenient.embeddings.create(model="tiny", input=TEXTS)
+    assert [d.embedding for d in default.data] == [
         d.embedding for d in floats.data
     ], "the SDK's default (base64) decodes to the float result"
     last = client.embeddings.create(
