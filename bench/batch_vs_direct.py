@@ -26,21 +26,19 @@ import datetime as dt
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from miserver.process import ServerProcess  # noqa: E402
+from miserver.protocol.batches import TERMINAL  # noqa: E402
 from miserver.settings import EMBEDDED_MODEL_ID  # noqa: E402
 from tests.support.agnews import LABELS, balanced_items, few_shot_messages  # noqa: E402
 
@@ -61,12 +59,6 @@ def body_for(row: dict[str, str]) -> dict[str, Any]:
     return {"model": MODEL, "messages": few_shot_messages(text), "max_tokens": MAX_TOKENS, "temperature": 0}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def answers_of(output: str) -> list[str]:
     lines = [json.loads(x) for x in output.splitlines() if x.strip()]
     return [line["response"]["body"]["choices"][0]["message"]["content"] for line in lines]
@@ -75,28 +67,9 @@ def answers_of(output: str) -> list[str]:
 def run_batch(bodies: list[dict[str, Any]], model: str, poll_seconds: float = POLL_SECONDS) -> dict[str, Any]:
     """Phase 1: a server process on a fresh SQLite database; the batch timed client side."""
     with tempfile.TemporaryDirectory(prefix="miserver-bench-") as tmp:
-        port = free_port()
-        data_dir = Path(tmp) / "var"
-        data_dir.mkdir()
-        log_path = Path(tmp) / "server.log"
-        cmd = [sys.executable, "-m", "miserver.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
-               "--model", model, "--log-level", "warning"]  # fmt: skip
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        server = ServerProcess(data_dir=Path(tmp) / "var", model=model).start(timeout=600)
         try:
-            base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 600
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-                try:
-                    if httpx.get(base + "/api/health", timeout=1.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server not ready after 600 s")
-                time.sleep(0.2)
+            base = server.base_url
             client = openai.OpenAI(base_url=base + "/v1", api_key="bench", _strict_response_validation=True)
             data = "".join(
                 json.dumps({"custom_id": f"ag-{i:03d}", "method": "POST", "url": "/v1/chat/completions", "body": b})
@@ -110,7 +83,7 @@ def run_batch(bodies: list[dict[str, Any]], model: str, poll_seconds: float = PO
             t0 = time.monotonic()
             while True:
                 b = client.batches.retrieve(batch.id)
-                if b.status in ("completed", "failed", "expired", "cancelled"):
+                if b.status in TERMINAL:
                     t1 = time.monotonic()
                     break
                 time.sleep(poll_seconds)
@@ -127,12 +100,7 @@ def run_batch(bodies: list[dict[str, Any]], model: str, poll_seconds: float = PO
                 "answers": answers,
             }
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            server.stop()
 
 
 async def run_direct(bodies: list[dict[str, Any]], model: str) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from miserver.process import ServerProcess, wait_for  # noqa: E402
 from miserver.settings import EMBEDDED_MODEL_ID  # noqa: E402
 from tests.support.agnews import agnews_rows  # noqa: E402
-from tests.support.server import ServerProcess, wait_for  # noqa: E402
 
 
 def main() -> None:

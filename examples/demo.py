@@ -19,21 +19,20 @@ import argparse
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 from tqdm import tqdm
+
+from miserver.process import ServerProcess
+from miserver.protocol.batches import TERMINAL
 
 EXAMPLES = Path(__file__).resolve().parent
 DEFAULT_INPUT = EXAMPLES / "topics.jsonl"
 LABELS = ("World", "Sports", "Business", "Sci/Tech")
-TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 # Lower-case keys that name a label, searched for in an answer; the earliest match wins.
 _LABEL_KEYS = (
@@ -50,62 +49,6 @@ def parse_label(answer: str) -> str | None:
     text = answer.lower()
     hits = [(i, label) for key, label in _LABEL_KEYS if (i := text.find(key)) >= 0]
     return min(hits)[1] if hits else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """``python -m miserver.cli serve`` as a child process, on the embedded defaults."""
-
-    def __init__(self, data_dir: Path, port: int) -> None:
-        self.data_dir = data_dir
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = data_dir / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "miserver.cli", "serve", "--port", str(self.port)]
-        cmd += ["--data-dir", str(self.data_dir)]
-        print(f"starting: {' '.join(cmd[1:])}  (log: {self.log_path})")
-        with self.log_path.open("ab") as log:
-            # Own session: a Ctrl-C in the terminal reaches the demo only, which then cancels its batch and stops
-            # the server itself.
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        started = time.monotonic()
-        deadline = started + timeout
-        with httpx.Client(timeout=2.0) as http:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with status {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    if http.get(self.url + "/api/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{self.log_tail()}")
-                time.sleep(0.2)
-        print(f"server ready at {self.url} after {time.monotonic() - started:.1f} s")
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        print(f"server stopped (exit status {self.proc.returncode})")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -198,17 +141,21 @@ def run(args: argparse.Namespace) -> int:
     inputs = read_jsonl(input_path)
     gold = {g["custom_id"]: g["label"] for g in read_jsonl(gold_file)} if gold_file.exists() else {}
 
-    server: Server | None = None
+    server: ServerProcess | None = None
     if args.url:
         base_url = args.url.rstrip("/")
     else:
-        server = Server(out_dir, args.port or free_port())
+        # Own session: a Ctrl-C in the terminal reaches the demo only, which cancels its batch and stops the server.
+        server = ServerProcess(data_dir=out_dir, port=args.port, log_level="info", new_session=True)
     batch_id: str | None = None
     client: openai.OpenAI | None = None
     try:
         if server is not None:
+            print(f"starting miserver serve on port {server.port}  (log: {server.log_path})")
+            ready_from = time.monotonic()
             server.start(args.start_timeout)
-            base_url = server.url
+            base_url = server.base_url
+            print(f"server ready at {base_url} after {time.monotonic() - ready_from:.1f} s")
         client = openai.OpenAI(
             base_url=base_url + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "miserver"),
             _strict_response_validation=True, max_retries=2,
@@ -258,9 +205,9 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             if args.keep_server and server.proc is not None and server.proc.poll() is None:
                 pid = server.proc.pid
-                print(f"server left running at {server.url} (pid {pid}); stop it with: kill {pid}")
+                print(f"server left running at {server.base_url} (pid {pid}); stop it with: kill {pid}")
             else:
-                server.stop()
+                print(f"server stopped (exit status {server.stop()})")
 
 
 def main(argv: list[str] | None = None) -> int:

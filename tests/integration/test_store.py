@@ -11,6 +11,7 @@ from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import files as sf
 from miserver.store import rows as sr
+from miserver.store.batches import StaleStatus
 
 
 async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1") -> None:
@@ -25,8 +26,8 @@ async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1") -> No
         await sr.insert_rows(
             conn, batch_id, [{"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": "{}"} for i in range(n_rows)]
         )
-        await sb.set_fields(conn, batch_id, total=n_rows)
-        assert await sb.transition(conn, batch_id, ("validating",), "in_progress", 2)
+        await sb.set_fields(conn, batch_id, ("validating",), total=n_rows)
+        await sb.transition(conn, batch_id, ("validating",), "in_progress", 2)
 
 
 async def claim(store: Store, token: str, limit: int = 3, now_ms: int = 1000, ttl_ms: int = 500) -> list[int]:
@@ -84,7 +85,7 @@ async def test_released_claim_is_claimable_at_once(store: Store) -> None:
 async def test_claims_only_from_in_progress_batches(store: Store) -> None:
     await make_batch(store, 2)
     async with store.tx() as conn:
-        assert await sb.transition(conn, "batch_1", ("in_progress",), "cancelling", 3)
+        await sb.transition(conn, "batch_1", ("in_progress",), "cancelling", 3)
     assert await claim(store, "t1") == []
 
 
@@ -97,10 +98,18 @@ async def test_concurrent_claims_never_overlap(store: Store) -> None:
 
 async def test_terminal_status_is_never_overwritten(store: Store) -> None:
     await make_batch(store, 1)
+    [line] = await claim(store, "t1")
     async with store.tx() as conn:
-        assert await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
-        assert await sb.transition(conn, "batch_1", ("finalizing",), "completed", 4)
-        assert not await sb.transition(conn, "batch_1", ("validating", "in_progress", "finalizing"), "cancelling", 5)
+        with pytest.raises(StaleStatus):  # a row is still pending: the batch cannot finish
+            await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
+    async with store.tx() as conn:
+        assert await sr.record(conn, batch_id="batch_1", line=line, token="t1", ok=True, result="{}",
+                               input_tokens=1, output_tokens=1)  # fmt: skip
+        await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
+        await sb.transition(conn, "batch_1", ("finalizing",), "completed", 4)
+        assert not await sb.try_transition(conn, "batch_1", ("validating", "in_progress", "finalizing"), "cancelling", 5)
+        with pytest.raises(StaleStatus):
+            await sb.transition(conn, "batch_1", ("validating", "in_progress", "finalizing"), "cancelling", 5)
         b = await sb.get_batch(conn, "batch_1")
     assert b is not None and b.status == "completed" and b.cancelling_at is None and b.completed_at == 4
 
@@ -119,7 +128,7 @@ async def test_schema_refuses_counts_beyond_total(store: Store) -> None:
     await make_batch(store, 1)
     with pytest.raises(IntegrityError):
         async with store.tx() as conn:
-            await sb.set_fields(conn, "batch_1", completed=2)
+            await sb.set_fields(conn, "batch_1", ("in_progress",), completed=2)
 
 
 async def test_file_bytes_round_trip_in_chunks(store: Store) -> None:
@@ -130,7 +139,7 @@ async def test_file_bytes_round_trip_in_chunks(store: Store) -> None:
             chunks=[payload[i : i + 70_000] for i in range(0, len(payload), 70_000)],
         )  # fmt: skip
     assert rec.bytes == len(payload)
-    got = b"".join([c async for c in sf.iter_content(store.engine, "file-big")])
+    got = b"".join([c async for c in store.file_content("file-big")])
     assert got == payload
 
 

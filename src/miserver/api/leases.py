@@ -7,11 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from ..errors import ConflictError, InvalidRequestError, NotFoundError
-from ..protocol.batches import BATCH_STATUSES, TERMINAL
+from ..errors import InvalidRequestError
 from ..protocol.common import RequestModel, parse_request
-from ..store import batches as store_batches
-from .batches import batch_object
+from ..services import batches as batches_service
 from .common import json_body, state, strict_mode
 
 router = APIRouter()
@@ -62,16 +60,6 @@ async def hand_lease(batch_id: str, request: Request) -> dict[str, Any]:
     if not lease:
         raise InvalidRequestError("Send your live lease in the X-miLLM-Lease header.", param="X-miLLM-Lease")
     st.ctx.leases.get(lease)  # 404 unless it is the live lease
-    async with st.store.tx() as conn:
-        batch = await store_batches.get_batch(conn, batch_id)
-        if batch is None:
-            raise NotFoundError(f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
-        live = tuple(sorted(set(BATCH_STATUSES) - TERMINAL))
-        try:
-            await store_batches.set_fields(conn, batch_id, live, caller_lease=lease)
-        except store_batches.StaleStatus:  # finished (now, or between the read above and this write)
-            raise ConflictError(f"The batch is {batch.status}.", param="batch_id", code="batch_finished") from None
-        batch = await store_batches.get_batch(conn, batch_id)
+    batch = await batches_service.hand_lease(st.store, batch_id, lease)
     st.runner.wake()
-    assert batch is not None
-    return batch_object(batch)
+    return batch

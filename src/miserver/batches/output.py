@@ -6,7 +6,6 @@ both or neither; rows never run (cancel, expiry) become ``batch_cancelled``/``ba
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection

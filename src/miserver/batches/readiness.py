@@ -71,6 +71,9 @@ def release_lease_of_finished(ctx: ServiceContext, active: set[str]) -> None:
     """Release a batch's own lease when that batch is no longer active (another process finished it: with several
     workers, each holds its own lease of its resident model, and only the finishing one releases at the finish)."""
     live = ctx.leases.current()
-    if live is not None and live.holder.startswith(BATCH_HOLDER_PREFIX):
-        if live.holder.removeprefix(BATCH_HOLDER_PREFIX) not in active:
-            ctx.leases.release(live.lease)
+    if (
+        live is not None
+        and live.holder.startswith(BATCH_HOLDER_PREFIX)
+        and live.holder.removeprefix(BATCH_HOLDER_PREFIX) not in active
+    ):
+        ctx.leases.release(live.lease)

@@ -99,7 +99,7 @@ class BatchRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def prune(self) -> list[str]:
-        """Prune expired files now (DESIGN §6); returns the file ids (see :func:`~miserver.batches.pruning.prune_once`)."""
+        """Prune expired files now (DESIGN §6); returns the file ids (:func:`~miserver.batches.pruning.prune_once`)."""
         return await pruning.prune_once(self.store)
 
     async def step(self) -> bool:
@@ -146,7 +146,9 @@ class BatchRunner:
                 return await self._finish(batch, "expired", "batch_expired")
             async with self.store.tx() as conn:
                 torn = await store_models.weights_torn(conn, batch.model or "")
-            ready = readiness(self.ctx, batch, weights_torn=torn, lease_ttl_seconds=self.settings.batch_lease_ttl_seconds)
+            ready = readiness(
+                self.ctx, batch, weights_torn=torn, lease_ttl_seconds=self.settings.batch_lease_ttl_seconds
+            )
             if ready.waiting_reason is not None:
                 await self._set_waiting(batch, ready.waiting_reason, None)
                 return False

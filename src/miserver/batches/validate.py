@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -22,8 +22,10 @@ from ..errors import (
     UnknownParameterError,
 )
 from ..ids import now, now_ms
+from ..protocol.batches import BatchInputLine
 from ..protocol.common import check_text, find_unpaired_surrogate
 from ..services.context import ServiceContext
+from ..services.files import content_expired
 from ..services.registry import SERVICES
 from ..settings import Settings
 from ..store import Store
@@ -97,76 +99,95 @@ async def physical_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[in
         yield number, buf[:-1] if buf.endswith(b"\r") else buf
 
 
-def check_line(
+class CheckedLine(NamedTuple):
+    """One checked line: ``error`` is None when the line is a valid request (then ``body`` and ``model`` are set);
+    ``custom_id`` is the line's id when it could be read (None when absent, not a string, or not encodable)."""
+
+    custom_id: str | None
+    body: dict[str, Any] | None
+    model: str | None
+    error: APIError | None
+
+
+class _Refused(Exception):
+    def __init__(self, custom_id: str | None, error: APIError) -> None:
+        self.custom_id = custom_id
+        self.error = error
+
+
+def check_line(ctx: ServiceContext, endpoint: str, raw: bytes, seen: set[str]) -> CheckedLine:
+    """Validate one non-blank line against ``endpoint`` (DESIGN §4, "Validation"): UTF-8, a JSON object, the line
+    fields parsed strictly as :class:`~miserver.protocol.batches.BatchInputLine`, ``custom_id`` non-empty, at most
+    64 characters and unique (``seen`` collects the ids), ``method`` POST, ``url`` the endpoint, no streaming, and the
+    body checked by the endpoint service's own ``check`` in strict mode (the synchronous route's code and message)."""
+    try:
+        line, body, model = _check(ctx, endpoint, raw, seen)
+    except _Refused as refused:
+        return CheckedLine(refused.custom_id, None, None, refused.error)
+    return CheckedLine(line.custom_id, body, model, None)
+
+
+def _refuse(custom_id: str | None, message: str, *, param: str | None = None, code: str | None = None) -> _Refused:
+    return _Refused(custom_id, InvalidRequestError(message, param=param, code=code))
+
+
+def _check(
     ctx: ServiceContext, endpoint: str, raw: bytes, seen: set[str]
-) -> tuple[str | None, dict[str, Any] | None, str | None, APIError | None]:
-    """Validate one non-blank line. Returns ``(custom_id, body, model, error)``; ``error`` is None when valid."""
+) -> tuple[BatchInputLine, dict[str, Any], str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return None, None, None, InvalidRequestError(
-            f"Line is not valid UTF-8 (byte {exc.start}).", code="invalid_encoding"
-        )
+        raise _refuse(None, f"Line is not valid UTF-8 (byte {exc.start}).", code="invalid_encoding") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        return None, None, None, InvalidRequestError(f"Line is not valid JSON: {exc.msg}.", code="invalid_json_line")
+        raise _refuse(None, f"Line is not valid JSON: {exc.msg}.", code="invalid_json_line") from None
     except RecursionError:
-        return None, None, None, InvalidRequestError("Line is nested too deeply to be read.", code="invalid_json_line")
+        raise _refuse(None, "Line is nested too deeply to be read.", code="invalid_json_line") from None
     if not isinstance(obj, dict):
-        return None, None, None, InvalidRequestError("Line must be a JSON object.", code="invalid_json_line")
+        raise _refuse(None, "Line must be a JSON object.", code="invalid_json_line")
+    cid = obj.get("custom_id")
     try:  # the line's own fields; the body's strings are the service's to check (named as the route names them)
         check_text({k: v for k, v in obj.items() if k != "body"})
     except InvalidRequestError as exc:
-        cid = obj.get("custom_id")
         clean = cid if isinstance(cid, str) and find_unpaired_surrogate(cid) is None else None
-        return clean, None, None, exc
-    cid = obj.get("custom_id")
+        raise _Refused(clean, exc) from None
     custom_id = cid if isinstance(cid, str) else None
-    for key in LINE_KEYS:
+    for key in LINE_KEYS:  # named in the line's own order of importance, before the schema's
         if key not in obj:
-            return custom_id, None, None, MissingParameterError(f"Missing required parameter: '{key}'.", param=key)
+            raise _Refused(custom_id, MissingParameterError(f"Missing required parameter: '{key}'.", param=key))
     if not isinstance(cid, str):
-        return None, None, None, InvalidRequestError(
-            "'custom_id' must be a string.", param="custom_id", code="invalid_type"
-        )
+        raise _refuse(None, "'custom_id' must be a string.", param="custom_id", code="invalid_type")
     if not cid:
-        return None, None, None, InvalidRequestError("'custom_id' must be a non-empty string.", param="custom_id")
+        raise _refuse(None, "'custom_id' must be a non-empty string.", param="custom_id")
     if len(cid) > MAX_CUSTOM_ID_CHARS:
-        return None, None, None, InvalidRequestError(
-            f"'custom_id' is {len(cid)} characters; at most {MAX_CUSTOM_ID_CHARS} are allowed.", param="custom_id"
-        )
+        message = f"'custom_id' is {len(cid)} characters; at most {MAX_CUSTOM_ID_CHARS} are allowed."
+        raise _refuse(None, message, param="custom_id")
     if cid in seen:
-        return cid, None, None, InvalidRequestError(
-            f"The custom_id '{cid}' appears more than once in the file.", param="custom_id", code="duplicate_custom_id"
-        )
+        message = f"The custom_id '{cid}' appears more than once in the file."
+        raise _refuse(cid, message, param="custom_id", code="duplicate_custom_id")
     seen.add(cid)
     extra = [k for k in obj if k not in LINE_KEYS]
     if extra:
-        return cid, None, None, UnknownParameterError(f"Unrecognized line field: '{extra[0]}'.", param=extra[0])
+        raise _Refused(cid, UnknownParameterError(f"Unrecognized line field: '{extra[0]}'.", param=extra[0]))
     if obj["method"] != "POST":
-        return cid, None, None, InvalidRequestError("'method' must be \"POST\".", param="method")
+        raise _refuse(cid, "'method' must be \"POST\".", param="method")
     if obj["url"] != endpoint:
         hint = f" Write it as {endpoint!r}." if isinstance(obj["url"], str) and "/v1" + obj["url"] == endpoint else ""
-        return cid, None, None, InvalidRequestError(
-            f"The line's url {obj['url']!r} does not match the batch's endpoint {endpoint!r}.{hint}",
-            param="url",
-            code="invalid_url",
-        )
-    body = obj["body"]
-    if not isinstance(body, dict):
-        return cid, None, None, InvalidRequestError("'body' must be a JSON object.", param="body", code="invalid_type")
+        message = f"The line's url {obj['url']!r} does not match the batch's endpoint {endpoint!r}.{hint}"
+        raise _refuse(cid, message, param="url", code="invalid_url")
+    if not isinstance(obj["body"], dict):
+        raise _refuse(cid, "'body' must be a JSON object.", param="body", code="invalid_type")
+    line = BatchInputLine.model_validate(obj)  # cannot fail after the checks above (unknown fields were refused)
+    body = line.body
     if body.get("stream") is True:
-        return cid, None, None, InvalidRequestError(
-            "Streaming is not supported in a batch: remove 'stream' or set it to false.",
-            param="stream",
-            code="streaming_unsupported",
-        )
+        message = "Streaming is not supported in a batch: remove 'stream' or set it to false."
+        raise _refuse(cid, message, param="stream", code="streaming_unsupported")
     try:
-        request, engine = SERVICES[endpoint].check(ctx, body, strict=True)
+        _request, engine = SERVICES[endpoint].check(ctx, body, strict=True)
     except APIError as exc:
-        return cid, None, None, exc
-    return cid, body, engine.info.model_id, None
+        raise _Refused(cid, exc) from None
+    return line, body, engine.info.model_id
 
 
 # -- the validation driver ----------------------------------------------------------------------------------------
@@ -220,8 +241,10 @@ class Validator:
             await store_rows.delete_rows(conn, batch.id, worker=self.worker)  # a validation cut short starts over
             record = await store_files.get_file(conn, batch.input_file_id)
         if record is None:
-            raise BatchFailure("file_not_found", f"The input file {batch.input_file_id} no longer exists.", "input_file_id")
-        if record.content_deleted_at is not None or (record.expires_at is not None and record.expires_at <= now()):
+            raise BatchFailure(
+                "file_not_found", f"The input file {batch.input_file_id} no longer exists.", "input_file_id"
+            )
+        if content_expired(record, now()):
             raise BatchFailure("file_expired", f"The input file {batch.input_file_id} has expired.", "input_file_id")
         summary = ValidationSummary()
         page: list[dict[str, object]] = []
@@ -241,7 +264,8 @@ class Validator:
                 assert model is not None
                 summary.valid += 1
                 summary.models.add(model)
-                page.append({"line": number, "custom_id": custom_id, "valid": True, "body": json.dumps(body, ensure_ascii=False)})  # fmt: skip
+                text = json.dumps(body, ensure_ascii=False)
+                page.append({"line": number, "custom_id": custom_id, "valid": True, "body": text})
             if len(page) >= INSERT_PAGE:
                 await self._insert(batch.id, page)
                 page = []
@@ -259,12 +283,20 @@ class Validator:
         async with self.store.tx() as conn:
             status = await self._hold(conn, batch.id)
             await store_batches.set_fields(
-                conn, batch.id, (status,), total=summary.total, failed=summary.invalid, claimed_by=None, claimed_until=None
+                conn,
+                batch.id,
+                (status,),
+                total=summary.total,
+                failed=summary.invalid,
+                claimed_by=None,
+                claimed_until=None,
             )
             if status == "cancelling":
                 return  # cancelled while validating: every line is in, the runner finishes it as cancelled
             if summary.valid and len(summary.models) == 1 and foreign is not None:
-                raise BatchFailure("lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model")
+                raise BatchFailure(
+                    "lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model"
+                )
             if not summary.valid or len(summary.models) > 1:
                 # One entry per invalid line (OpenAI's shape); a summary entry only where no line error explains
                 # the failure (several models).

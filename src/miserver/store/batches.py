@@ -185,17 +185,13 @@ async def set_fields(conn: AsyncConnection, batch_id: str, allowed: tuple[str, .
     """Set non-status columns (``waiting_reason``, ``total``, ``caller_lease``...) of a batch whose status is in
     ``allowed``, in one statement. Raises :class:`StaleStatus` when the batch is gone or its status moved on."""
     stmt = (
-        update(batches)
-        .where(batches.c.id == batch_id, batches.c.status.in_(allowed))
-        .values(**_encode(dict(values)))
+        update(batches).where(batches.c.id == batch_id, batches.c.status.in_(allowed)).values(**_encode(dict(values)))
     )
     if (await conn.execute(stmt)).rowcount != 1:
         raise StaleStatus(batch_id, allowed, "set " + ", ".join(sorted(values)))
 
 
-async def claim_validation(
-    conn: AsyncConnection, batch_id: str, *, worker: str, now_ms: int, ttl_ms: int
-) -> bool:
+async def claim_validation(conn: AsyncConnection, batch_id: str, *, worker: str, now_ms: int, ttl_ms: int) -> bool:
     """Claim (or extend the claim on) a ``validating`` batch's validation for ``worker``, in one statement.
 
     True when ``worker`` holds it now: the claim was free, already ``worker``'s, or past its deadline (its process
@@ -234,9 +230,7 @@ def needs_validation(batch: BatchRecord) -> bool:
 VALIDATION_STATUSES = ("validating", "cancelling")
 
 
-async def hold_validation(
-    conn: AsyncConnection, batch_id: str, *, worker: str, now_ms: int, ttl_ms: int
-) -> str:
+async def hold_validation(conn: AsyncConnection, batch_id: str, *, worker: str, now_ms: int, ttl_ms: int) -> str:
     """Extend ``worker``'s validation claim and return the batch's status (``validating`` or ``cancelling``).
 
     Raises :class:`StaleStatus` when the batch left those statuses or another process took the claim over. Called in

@@ -116,9 +116,7 @@ async def claim(
     stmt = (
         update(batch_rows)
         .where(batch_rows.c.batch_id == batch_id, batch_rows.c.line == picked.c.line)
-        .where(
-            select(batches.c.id).where(batches.c.id == batch_id, batches.c.status == "in_progress").exists()
-        )
+        .where(select(batches.c.id).where(batches.c.id == batch_id, batches.c.status == "in_progress").exists())
         .values(claim_token=token, claimed_by=worker, claimed_until=now_ms + ttl_ms)
         .returning(batch_rows.c.line, batch_rows.c.custom_id, batch_rows.c.body)
     )
@@ -179,11 +177,7 @@ async def record(
     Returns False (and changes nothing) when the row is already recorded, the claim was taken over or fenced off by
     a finish (:func:`fence_unrun`), or the batch is no longer running (``in_progress`` or ``cancelling``).
     """
-    running = (
-        select(batches.c.id)
-        .where(batches.c.id == batch_id, batches.c.status.in_(RECORDING_STATUSES))
-        .exists()
-    )
+    running = select(batches.c.id).where(batches.c.id == batch_id, batches.c.status.in_(RECORDING_STATUSES)).exists()
     changed = await conn.execute(
         update(batch_rows)
         .where(
@@ -228,8 +222,10 @@ async def fence_unrun(conn: AsyncConnection, batch_id: str) -> int:
 
 
 async def count_pending(conn: AsyncConnection, batch_id: str) -> int:
-    q = select(func.count()).select_from(batch_rows).where(
-        batch_rows.c.batch_id == batch_id, batch_rows.c.state == "pending"
+    q = (
+        select(func.count())
+        .select_from(batch_rows)
+        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.state == "pending")
     )
     return int((await conn.execute(q)).scalar() or 0)
 
