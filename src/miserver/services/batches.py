@@ -205,7 +205,7 @@ async def create_batch(store: Store, form: BatchCreate, *, max_window_hours: int
     async def create(conn: AsyncConnection) -> dict[str, Any]:
         req, hours = check(decode_json(form.raw), strict=form.strict, max_window_hours=max_window_hours)
         created = now()
-        check_input_file(await store_files.get_file(conn, req.input_file_id), req.input_file_id, created)
+        check_input_file(await store_files.get_file(conn, req.input_file_id, lock=True), req.input_file_id, created)
         batch = await store_batches.insert_batch(
             conn,
             batch_id=ordered_id("batch_"),

@@ -226,7 +226,7 @@ async def delete_file(store: Store, file_id: str) -> dict[str, Any]:
     Raises 404 ``not_found``, and 409 ``file_in_use`` while a batch that has not finished reads it.
     """
     async with store.tx() as conn:
-        if await store_files.get_file(conn, file_id) is None:
+        if await store_files.get_file(conn, file_id, lock=True) is None:  # a batch create waits for this delete
             raise not_found(file_id)
         batch_id = await store_files.referencing_active_batch(conn, file_id)
         if batch_id is not None:

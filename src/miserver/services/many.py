@@ -104,9 +104,9 @@ async def run_many(
 ) -> AsyncIterator[Outcome]:
     """Many rows at once: each body checked as its synchronous route checks it (once); with ``plan`` None every row
     through ``packing.execute`` in row order (the synchronous computation); with a planner the units of the
-    packable rows in the packs it makes (:func:`run_rows`), the other rows one at a time through ``execute``, each
-    row or pack started in the order of its first row. Yields every row at most once (none after
-    ``call.stopped()``); rows complete in no particular order.
+    packable rows in the packs it makes (:func:`run_rows`, packs started in the order of their first row), and the
+    other rows one at a time through ``execute``, each run before the first packed row after it is yielded (or at
+    the end). Yields every row at most once (none after ``call.stopped()``); rows complete in no particular order.
 
     Only rows served by one engine pack together (the first row's); a row for another engine runs alone.
     Raises :class:`~miserver.errors.EngineUnavailableError` when the engine cannot take a row now.

@@ -118,9 +118,15 @@ async def create_empty(
     return ChunkWriter(conn, file_id)
 
 
-async def get_file(conn: AsyncConnection, file_id: str) -> FileRecord | None:
-    """The record of ``file_id`` (also after its content was pruned); None when there is none."""
-    row = (await conn.execute(select(files).where(files.c.id == file_id))).first()
+async def get_file(conn: AsyncConnection, file_id: str, *, lock: bool = False) -> FileRecord | None:
+    """The record of ``file_id`` (also after its content was pruned); None when there is none.
+
+    ``lock`` takes the row's write lock until the transaction ends (``FOR UPDATE`` on PostgreSQL; SQLite serialises
+    writers): a batch create that reads its input file and a delete of that file then run one after the other, so a
+    file is never deleted under a batch created at the same moment.
+    """
+    q = select(files).where(files.c.id == file_id)
+    row = (await conn.execute(q.with_for_update() if lock else q)).first()
     return FileRecord.from_row(row) if row else None
 
 
