@@ -317,3 +317,27 @@ async def test_two_runners_racing_the_same_batches(store: Store) -> None:
         lines = await output_lines(store, done)
         assert sorted(x["custom_id"] for x in lines) == sorted(f"{prefixes[ids.index(batch_id)]}{i}" for i in range(7))
     assert (await get(store, ids[0])).status == (await get(store, ids[1])).status == "completed"
+
+
+async def test_a_batch_with_no_valid_line_lists_one_error_per_line(store: Store) -> None:
+    """OpenAI's shape: ``errors.data`` holds one entry per invalid line (its last entry is the last bad line), no
+    summary entry when the line errors explain the failure; every error line carries ``error: {code, message}``."""
+    runner = runner_for(store)
+    bad = b'{"custom_id": "x"}\nnot json\n\n' + input_lines("m", 1).replace(MODEL.encode(), b"nope")
+    batch = await create_batch(store, bad)
+    await settle(runner, batch_ids=[batch.id])
+    done = await get(store, batch.id)
+    assert (done.status, done.total, done.completed, done.failed) == ("failed", 3, 0, 3)
+    assert done.errors is not None
+    assert [(e["line"], e["code"]) for e in done.errors] == [
+        (1, "missing_required_parameter"),
+        (2, "invalid_json_line"),
+        (4, "model_not_found"),
+    ]
+    lines = await output_lines(store, done)
+    assert [x["millm"]["line"] for x in lines] == [1, 2, 4]
+    for x in lines:
+        assert x["error"] == {
+            "code": x["response"]["body"]["error"]["code"],
+            "message": x["response"]["body"]["error"]["message"],
+        }
