@@ -34,7 +34,7 @@ from .validate import BatchFailure, Validator
 
 log = logging.getLogger("miserver.batches")
 
-SERVER_VALIDATION_ERROR = {
+SERVER_VALIDATION_ERROR: dict[str, object] = {
     "code": "server_error",
     "message": "Validation failed on the server.",
     "param": None,
