@@ -195,3 +195,18 @@ probes = Table(
     CheckConstraint("pooling IN ('mean', 'last')", name="pooling"),
     CheckConstraint("layer >= 0 AND hidden_size > 0", name="shape"),
 )
+
+# Stored Responses (``POST /v1/responses`` with ``store``): the Response object as returned, and the conversation
+# turns that a later request's ``previous_response_id`` continues (``[{"role", "content"}]``, instructions excluded).
+# Gone ``expires_at`` (30 days after creation, as files).
+responses = Table(
+    "responses",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("model", String(512), nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("body_json", Text, nullable=False),
+    Column("turns_json", Text, nullable=False),
+)
+Index("ix_responses_expires_at", responses.c.expires_at)

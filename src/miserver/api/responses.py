@@ -1,0 +1,55 @@
+"""The Responses API routes: ``POST /v1/responses`` (JSON or Server-Sent Events), ``GET`` and ``DELETE
+/v1/responses/{id}``; thin wrappers over ``services.responses``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import UnsupportedParameterError
+from ..services import responses as service
+from ..services.context import Call, StreamResult
+from ..services.registry import SERVICES
+from .common import json_body, state, strict_mode, to_response
+
+router = APIRouter()
+
+
+def _sse(result: StreamResult) -> StreamingResponse:
+    """OpenAI's Responses stream: each event as ``event: <type>`` and ``data: <json>`` lines (no ``[DONE]``)."""
+
+    async def lines() -> AsyncIterator[str]:
+        async for payload in result.events:
+            yield f"event: {json.loads(payload)['type']}\ndata: {payload}\n\n"
+
+    return StreamingResponse(
+        lines(), media_type="text/event-stream", headers={**result.headers, "Cache-Control": "no-cache"}
+    )
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    """Create a Response (``stream: true``: as Server-Sent Events)."""
+    body = await json_body(request)
+    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    result = await SERVICES["/v1/responses"].create(state(request).ctx, body, call)
+    return _sse(result) if isinstance(result, StreamResult) else to_response(result)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
+    """A stored Response. Replaying a stored Response as a stream (``stream=true``) is refused."""
+    if request.query_params.get("stream", "").lower() == "true":
+        raise UnsupportedParameterError(
+            "Unsupported parameter: 'stream': a stored Response is returned as JSON only.", param="stream"
+        )
+    return JSONResponse(await service.retrieve(state(request).ctx, response_id))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> JSONResponse:
+    """Delete a stored Response."""
+    return JSONResponse(await service.delete(state(request).ctx, response_id))
