@@ -107,9 +107,10 @@ async def test_terminal_status_is_never_overwritten(store: Store) -> None:
                                input_tokens=1, output_tokens=1)  # fmt: skip
         await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
         await sb.transition(conn, "batch_1", ("finalizing",), "completed", 4)
-        assert not await sb.try_transition(conn, "batch_1", ("validating", "in_progress", "finalizing"), "cancelling", 5)
+        cancellable = ("validating", "in_progress", "finalizing")
+        assert not await sb.try_transition(conn, "batch_1", cancellable, "cancelling", 5)
         with pytest.raises(StaleStatus):
-            await sb.transition(conn, "batch_1", ("validating", "in_progress", "finalizing"), "cancelling", 5)
+            await sb.transition(conn, "batch_1", cancellable, "cancelling", 5)
         b = await sb.get_batch(conn, "batch_1")
     assert b is not None and b.status == "completed" and b.cancelling_at is None and b.completed_at == 4
 
