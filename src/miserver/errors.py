@@ -2,12 +2,29 @@
 
 Every refusal, from a route or from a batch row, is an :class:`APIError`. Its :meth:`APIError.envelope` is the body
 ``{"error": {"message", "type", "param", "code"}}`` that OpenAI returns, and :attr:`APIError.status_code` is the HTTP
-status. A batch error line carries exactly the same status and body as the synchronous route would.
+status. A batch error line carries exactly the same status and body as the synchronous route would. The routes under
+``/anthropic/`` answer in Anthropic's envelope instead: :meth:`APIError.answer_for` picks the dialect by route.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+#: Routes under this prefix answer in Anthropic's error envelope (DESIGN §10).
+ANTHROPIC_PREFIX = "/anthropic/"
+#: Anthropic's error ``type`` by HTTP status (its API reference, "Errors").
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -26,6 +43,24 @@ class APIError(Exception):
     def envelope(self) -> dict[str, Any]:
         """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_status(self) -> int:
+        """The HTTP status on the ``/anthropic`` routes: the same, but 529 (``overloaded_error``) for a 503."""
+        return 529 if self.status_code == 503 else self.status_code
+
+    def anthropic_envelope(self) -> dict[str, Any]:
+        """Anthropic's error body, ``{"type": "error", "error": {"type", "message"}}``, its type by status
+        (:data:`ANTHROPIC_ERROR_TYPES`; another 4xx is ``invalid_request_error``, another 5xx ``api_error``)."""
+        status = self.anthropic_status()
+        kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def answer_for(self, path: str) -> tuple[int, dict[str, Any]]:
+        """``(status, body)`` of this error on the route ``path`` (a batch line: its endpoint): Anthropic's status and
+        envelope under ``/anthropic/``, OpenAI's elsewhere. The one place that picks an error's dialect."""
+        if path.startswith(ANTHROPIC_PREFIX):
+            return self.anthropic_status(), self.anthropic_envelope()
+        return self.status_code, self.envelope()
 
     def as_batch_error(self, line: int | None = None) -> dict[str, Any]:
         """The ``batch.errors.data`` entry: ``{code, message, param, line}``."""

@@ -29,6 +29,7 @@ class SamplingParams:
     first occurrence and the string itself is not returned. ``logprobs`` is None (none wanted) or the number of top
     alternatives per position (0-20); the chosen token's logprob is always included when not None.
     ``seed`` seeds a private ``torch.Generator``: the same seed and prompt give the same output.
+    ``top_k``, when set and positive, keeps only the ``top_k`` most likely tokens before ``top_p`` applies.
     """
 
     max_tokens: int
@@ -37,6 +38,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int = 0
     logprobs: int | None = None
+    top_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class Sequence_:
     finish_reason: FinishReason
     logprobs: list[TokenLogprob] | None = None
     generated_tokens: int | None = None
+    #: the stop string that ended the sequence (``finish_reason`` ``"stop"``); None for an end-of-sequence token
+    stop_sequence: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -122,6 +126,8 @@ class StreamDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     generated_tokens: int = 0
+    #: on the last delta: the stop string that ended the sequence, if one did
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True)

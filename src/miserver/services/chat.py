@@ -160,12 +160,22 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
 
 async def _execute(ctx: ServiceContext, p: _Prepared, call: Call) -> ServiceResult:
     """The computation of a prepared, non-streamed request under the admission gate (or ``call.slot``)."""
+    return _build(p, await run_prepared(ctx, p, call))
+
+
+def prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
+    """Check and tokenise a chat body, pick its seed and provenance headers (raises ``APIError``): the entry of the
+    services that translate another format into a chat request (Messages, Responses), then :func:`run_prepared`."""
+    return _prepare(ctx, body, call)
+
+
+async def run_prepared(ctx: ServiceContext, p: _Prepared, call: Call) -> GenerationResult:
+    """The engine computation of a prepared, non-streamed request under the admission gate (or ``call.slot``): a
+    scoring-mode request as one scoring pass, any other through ``Engine.generate``."""
     async with ctx.gate.hold(call.priority, call.slot):
         if p.scoring:
-            result = (await p.engine.score(ScoreRequest(p.gen))).generation
-        else:
-            result = await p.engine.generate(p.gen)
-    return _build(p, result)
+            return (await p.engine.score(ScoreRequest(p.gen))).generation
+        return await p.engine.generate(p.gen)
 
 
 def _build_scored(p: _Prepared, results: list[ScoreResult]) -> ServiceResult:

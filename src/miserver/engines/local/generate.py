@@ -66,11 +66,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
     ``temperature`` 0 is argmax. Otherwise ``softmax(logits / temperature)`` restricted to the smallest set of most
     likely tokens whose probability reaches ``top_p`` (at least one token), drawn with ``generator``, which must
-    live on the logits' device.
+    live on the logits' device. A positive ``top_k`` first keeps the ``top_k`` most likely tokens (renormalised).
     """
     if params.temperature <= 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_k is not None and 0 < params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = probs.masked_fill(probs < kth, 0.0)
+        probs = probs / probs.sum()
     if params.top_p >= 1.0:
         return int(torch.multinomial(probs, 1, generator=generator))
     sorted_probs, order = torch.sort(probs, descending=True)
@@ -329,7 +333,11 @@ class _Output:
             if self.resolved < len(self.ids):
                 self._resolve(self.stream.rest())  # an incomplete character at the end, or special tokens
             delta = self._delta(len(self.text), reason)
-        return delta or StreamDelta(self.index, "", finish_reason=reason, generated_tokens=self._unreported())
+        last = delta or StreamDelta(self.index, "", finish_reason=reason, generated_tokens=self._unreported())
+        if self.stop_at is None:
+            return last
+        matched = next(s for s in self.stop if self.text.startswith(s, self.stop_at))
+        return dataclasses.replace(last, stop_sequence=matched)
 
     def _resolve(self, chunk: str) -> None:
         start = len(self.text)
@@ -486,6 +494,7 @@ def collect_result(deltas: Iterable[StreamDelta], request: GenerationRequest) ->
             seq.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             seq.finish_reason = delta.finish_reason
+            seq.stop_sequence = delta.stop_sequence
     for seq, parts, count in zip(seqs, texts, generated):
         seq.text = "".join(parts)
         seq.generated_tokens = count

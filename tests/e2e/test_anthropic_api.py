@@ -1,0 +1,166 @@
+"""Anthropic's Messages and Message Batches APIs end to end (issue 11), driven by the official ``anthropic`` SDK in
+strict response validation against a real server on the tiny model.
+
+The database plays no part in the Messages tests; the Message Batches ones are the same durable batches as
+``/v1/batches``, which other modules run on both databases. The module shares one SQLite server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from anthropic.types import MessageParam
+
+from tests.support.server import ServerProcess
+
+MESSAGES = "/anthropic/v1/messages"
+USER: list[MessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
+#: ``temperature`` is no keyword of the SDK's ``messages.create`` any more; the API (and this server) still takes it.
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def server(sqlite_module_server: ServerProcess) -> ServerProcess:
+    return sqlite_module_server
+
+
+@pytest.fixture(scope="module")
+def claude(server: ServerProcess) -> Iterator[anthropic.Anthropic]:
+    """The official ``anthropic`` SDK, strict, pointed at the server's ``/anthropic`` routes."""
+    client = anthropic.Anthropic(
+        base_url=server.base_url + "/anthropic", api_key="test", _strict_response_validation=True, max_retries=0
+    )
+    with client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> httpx.Client:
+    return server.http()
+
+
+def body(content: str = "Tell me about the sea.", **extra: Any) -> dict[str, Any]:
+    """A Messages body for the tiny model."""
+    return {"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": content}], **extra}
+
+
+# -- Messages ------------------------------------------------------------------------------------------------------
+
+
+def test_message_create(claude: anthropic.Anthropic) -> None:
+    m = claude.messages.create(model="tiny", max_tokens=5, messages=USER)
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == "tiny"
+    assert len(m.content) == 1 and m.content[0].type == "text"
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    assert m.usage.input_tokens > 0 and 0 < m.usage.output_tokens <= 5
+    assert m.stop_sequence is None
+
+
+def test_message_headers(http: httpx.Client) -> None:
+    """x-api-key and anthropic-version are accepted; the provenance headers are the chat route's."""
+    r = http.post(MESSAGES, json=body(), headers={"x-api-key": "k", "anthropic-version": "2023-06-01"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-millm-model"] == "tiny" and r.headers["x-millm-backend"] == "serial"
+    assert r.headers["x-millm-seed"].endswith('scope="server"') and r.headers["x-request-id"]
+
+
+def test_message_equals_chat_at_temperature_0(claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    """One inference path: a Messages request answers the same text as the equivalent chat request."""
+    system = "You are terse."
+    turns: list[MessageParam] = [
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there."}]},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Name a sea."},
+    ]
+    m = claude.messages.create(model="tiny", max_tokens=12, system=system, messages=turns, extra_body=GREEDY)
+    chat_turns: list[Any] = [{"role": "system", "content": system}, *turns]
+    c = client.chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=chat_turns)
+    assert m.content[0].type == "text"
+    assert m.content[0].text == c.choices[0].message.content
+    assert c.usage is not None
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[c.choices[0].finish_reason]
+
+
+def test_stop_sequence(claude: anthropic.Anthropic) -> None:
+    """A stop sequence taken from the greedy answer ends it there, named in ``stop_sequence``."""
+    full = claude.messages.create(model="tiny", max_tokens=12, messages=USER, extra_body=GREEDY)
+    text = full.content[0].text  # type: ignore[union-attr]
+    stop = text[3:6]
+    assert len(stop) == 3, text
+    m = claude.messages.create(
+        model="tiny", max_tokens=12, messages=USER, stop_sequences=["\x00never", stop], extra_body=GREEDY
+    )
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
+
+
+def test_top_k_one_is_greedy(claude: anthropic.Anthropic) -> None:
+    """``top_k`` is honoured: keeping one token is greedy decoding, whatever the temperature."""
+    greedy = claude.messages.create(model="tiny", max_tokens=8, messages=USER, extra_body=GREEDY)
+    top1 = claude.messages.create(
+        model="tiny", max_tokens=8, messages=USER, extra_body={"temperature": 1.0, "top_k": 1}
+    )
+    assert top1.content[0].text == greedy.content[0].text  # type: ignore[union-attr]
+
+
+def test_message_stream(claude: anthropic.Anthropic) -> None:
+    full = claude.messages.create(model="tiny", max_tokens=8, messages=USER, extra_body=GREEDY)
+    with claude.messages.stream(model="tiny", max_tokens=8, messages=USER, extra_body=GREEDY) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds[1] == "content_block_start" and "content_block_stop" in kinds and "message_delta" in kinds
+    assert final.content[0].text == full.content[0].text  # type: ignore[union-attr]
+    assert final.stop_reason == full.stop_reason
+    assert final.usage.output_tokens == full.usage.output_tokens
+
+
+def test_raw_event_sequence(http: httpx.Client) -> None:
+    """The SSE frames name their event: message_start, content_block_start, deltas, stop, message_delta, stop."""
+    with http.stream("POST", MESSAGES, json=body(stream=True)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    frames = [f for f in text.split("\n\n") if f.strip()]
+    names = [f.split("\n")[0].removeprefix("event: ") for f in frames]
+    datas = [json.loads(f.split("\n")[1].removeprefix("data: ")) for f in frames]
+    assert names == [d["type"] for d in datas]
+    assert names[:2] == ["message_start", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[2:-3]) <= {"content_block_delta"}
+    assert datas[-2]["delta"]["stop_reason"] in ("end_turn", "max_tokens")
+
+
+# -- errors: Anthropic's envelope and status codes -------------------------------------------------------------------
+
+
+def test_error_envelope(claude: anthropic.Anthropic, http: httpx.Client) -> None:
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        claude.messages.create(model="tiny", messages=USER, max_tokens=5, tools=[{"name": "x", "input_schema": {}}])
+    assert exc.value.status_code == 400
+    assert exc.value.body == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "Unsupported parameter: 'tools' is not supported by the resident engine.",
+        },
+    }
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.messages.create(model="nope", messages=USER, max_tokens=5)
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    r = http.get("/anthropic/v1/nowhere")
+    assert r.status_code == 404 and r.json()["type"] == "error"
+    r = http.post(MESSAGES, content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "error" in http.get("/v1/nowhere").json() and "type" not in http.get("/v1/nowhere").json()
