@@ -17,6 +17,7 @@ import openai
 import pytest
 from anthropic.types import MessageParam
 
+from tests.support.batches import jsonl, line, read_lines, submit, wait_terminal
 from tests.support.server import ServerProcess
 
 MESSAGES = "/anthropic/v1/messages"
@@ -164,3 +165,82 @@ def test_error_envelope(claude: anthropic.Anthropic, http: httpx.Client) -> None
     r = http.post(MESSAGES, content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "error" in http.get("/v1/nowhere").json() and "type" not in http.get("/v1/nowhere").json()
+
+
+# -- batch lines on /v1/batches ----------------------------------------------------------------------------------------
+
+#: Bodies each route refuses, by what is wrong with them.
+REFUSED: dict[str, dict[str, Any]] = {
+    "no_max_tokens": {"model": "tiny", "messages": USER},
+    "tools": body(tools=[{"name": "t", "input_schema": {"type": "object"}}]),
+    "thinking": body(thinking={"type": "enabled", "budget_tokens": 1024}),
+    "image": body()
+    | {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
+    "unknown_block": body() | {"messages": [{"role": "user", "content": [{"type": "sound", "x": 1}]}]},
+    "cache_control": body()
+    | {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {"type": "x"}}]}]},
+    "prefill": body() | {"messages": [*USER, {"role": "assistant", "content": "The"}]},
+    "temperature": body(temperature=1.5),
+    "top_k": body(top_k=-1),
+    "unknown_field": body(frobnicate=True),
+    "system_role": body() | {"messages": [{"role": "system", "content": "x"}]},
+    "model": body() | {"model": "nope"},
+    "too_long": body(max_tokens=10**6),
+}
+
+
+def test_batch_lines_end_to_end(client: openai.OpenAI, http: httpx.Client) -> None:
+    """A file of /anthropic/v1/messages lines through /v1/batches: each valid line's Message in ``response.body``
+    (the synchronous answer at temperature 0), each refused line the synchronous route's status and Anthropic body
+    (sent with ``X-miLLM-Strict``: batch lines are strict), with the same code and message under ``error``."""
+    good = {f"ok-{i}": body(f"Row {i}.", temperature=0.0) for i in range(3)}
+    good["ok-stop"] = body("Row stop.", temperature=0.0, stop_sequences=["e"], max_tokens=12)
+    rows = {**good, **REFUSED}
+    data = jsonl(line(cid, b, url=MESSAGES) for cid, b in rows.items())
+    batch = wait_terminal(client, submit(client, data, endpoint=MESSAGES).id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(good), len(REFUSED))
+    out = {x["custom_id"]: x for x in read_lines(client, batch.output_file_id)}
+    errors = {x["custom_id"]: x for x in read_lines(client, batch.error_file_id)}
+    assert set(out) == set(good) and set(errors) == set(REFUSED)
+    for cid, b in good.items():
+        sync = http.post(MESSAGES, json=b)
+        assert sync.status_code == 200, sync.text
+        got = out[cid]["response"]
+        assert got["status_code"] == 200 and got["body"]["type"] == "message"
+        assert got["body"]["content"] == sync.json()["content"] and got["body"]["usage"] == sync.json()["usage"]
+        assert got["body"]["stop_reason"] == sync.json()["stop_reason"]
+        assert got["millm"]["headers"]["X-miLLM-Model"] == "tiny"
+    strict = {"x-millm-strict": "true"}
+    for cid, b in REFUSED.items():
+        sync = http.post(MESSAGES, json=b, headers=strict)
+        answer = errors[cid]
+        assert answer["response"]["status_code"] == sync.status_code, cid
+        assert answer["response"]["body"] == sync.json(), cid
+        assert sync.json()["type"] == "error" and sync.json()["error"]["message"] == answer["error"]["message"]
+        assert sync.status_code in (400, 404), (cid, sync.text)
+
+
+def test_refused_bodies_name_the_param(http: httpx.Client) -> None:
+    """Each refusal is a 400 (404 for the model) whose message names the field."""
+    named = {
+        "no_max_tokens": "'max_tokens'",
+        "tools": "'tools'",
+        "thinking": "'thinking'",
+        "image": "'messages[0].content[0].type'",
+        "unknown_block": "'messages[0].content[0].type'",
+        "cache_control": "'messages[0].content[0].cache_control'",
+        "prefill": "'messages[1].role'",
+        "temperature": "'temperature'",
+        "top_k": "'top_k'",
+        "unknown_field": "frobnicate",
+        "system_role": "'messages[0].role'",
+        "model": "'nope'",
+        "too_long": "maximum context length",
+    }
+    for cid, b in REFUSED.items():
+        r = http.post(MESSAGES, json=b, headers={"x-millm-strict": "true"})
+        assert named[cid] in r.json()["error"]["message"], (cid, r.text)
+    lenient = http.post(MESSAGES, json=REFUSED["unknown_field"])
+    assert lenient.status_code == 200, "without strict mode an unknown field is ignored"

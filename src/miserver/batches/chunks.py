@@ -50,11 +50,12 @@ class ChunkReport:
     engine_unavailable: bool = False
 
 
-def result_line(custom_id: str, outcome: Outcome) -> tuple[bool, str, int, int]:
+def result_line(custom_id: str, outcome: Outcome, endpoint: str = "") -> tuple[bool, str, int, int]:
     """``(ok, line, input_tokens, output_tokens)`` of a row's outcome: its output line, or its error line (the
-    synchronous route's status and body). Usage counts only for rows that succeeded."""
+    synchronous route's status and body, in the dialect of ``endpoint``). Usage counts only for rows that
+    succeeded."""
     if isinstance(outcome.result, APIError):
-        return False, output.failure_line(custom_id, outcome.result), 0, 0
+        return False, output.failure_line(custom_id, outcome.result, endpoint), 0, 0
     result = outcome.result
     line = output.success_line(custom_id, result, packed=outcome.packed)
     return True, line, result.prompt_tokens, result.completion_tokens
@@ -65,6 +66,7 @@ async def run_chunk(
     ctx: ServiceContext,
     store: Store,
     service: EndpointService,
+    endpoint: str = "",
     batch_id: str,
     token: str,
     rows: Sequence[store_rows.ClaimedRow],
@@ -76,7 +78,7 @@ async def run_chunk(
     on_change: Callable[[str], None],
 ) -> ChunkReport:
     """Run ``rows`` (claimed under ``token``) while holding ``slot`` (None: each row or pack takes the admission gate
-    itself), recording each as it finishes.
+    itself), recording each as it finishes. ``endpoint`` (the batch's) picks the error body's dialect.
 
     ``time_limit`` is the chunk's time bound in seconds; ``stopping()`` answers true once the runner stops. Returns
     a :class:`ChunkReport`; raises only for store faults (the rows then stay pending under the claim, which the
@@ -98,7 +100,7 @@ async def run_chunk(
     try:
         async for outcome in outcomes:
             row = rows[outcome.index]
-            ok, line, input_tokens, output_tokens = result_line(row.custom_id, outcome)
+            ok, line, input_tokens, output_tokens = result_line(row.custom_id, outcome, endpoint)
             async with store.tx() as conn:
                 recorded = await store_rows.record(
                     conn,

@@ -56,31 +56,32 @@ def success_line(custom_id: str, result: ServiceResult, *, packed: bool = False)
     )
 
 
-def failure_line(custom_id: str, error: APIError) -> str:
-    """The error line of a row refused while running: the synchronous route's status and body under ``response``,
-    and the same code and message under ``error``."""
+def _error_response(error: APIError, endpoint: str) -> BatchLineResponse:
+    status, body = error.answer_for(endpoint)  # the route's own error body (Anthropic's under /anthropic/)
+    return BatchLineResponse(status_code=status, request_id=random_id("req_"), body=body)
+
+
+def failure_line(custom_id: str, error: APIError, endpoint: str = "") -> str:
+    """The error line of a row refused while running: the synchronous route's status and body under ``response``
+    (the route of ``endpoint``), and the same code and message under ``error``."""
     return _dump(
         BatchOutputLine(
             id=random_id("batch_req_"),
             custom_id=custom_id,
-            response=BatchLineResponse(
-                status_code=error.status_code, request_id=random_id("req_"), body=error.envelope()
-            ),
+            response=_error_response(error, endpoint),
             error=_line_error(error),
         )
     )
 
 
-def invalid_line(custom_id: str | None, line: int, error: APIError) -> str:
+def invalid_line(custom_id: str | None, line: int, error: APIError, endpoint: str = "") -> str:
     """The error line of an input line refused at validation: as :func:`failure_line`, plus ``millm.line`` (its
     1-based line number in the input file)."""
     return _dump(
         BatchOutputLine(
             id=random_id("batch_req_"),
             custom_id=custom_id,
-            response=BatchLineResponse(
-                status_code=error.status_code, request_id=random_id("req_"), body=error.envelope()
-            ),
+            response=_error_response(error, endpoint),
             error=_line_error(error),
             millm=BatchLineExtension(line=line),
         )

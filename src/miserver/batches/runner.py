@@ -235,6 +235,7 @@ class BatchRunner:
                     ctx=self.ctx,
                     store=self.store,
                     service=SERVICES[batch.endpoint],
+                    endpoint=batch.endpoint,
                     batch_id=batch.id,
                     token=token,
                     rows=claimed,

@@ -258,7 +258,7 @@ class Validator:
                 summary.invalid += 1
                 if len(summary.errors) < MAX_LISTED_ERRORS:
                     summary.errors.append(error.as_batch_error(number))
-                line = output.invalid_line(custom_id, number, error)
+                line = output.invalid_line(custom_id, number, error, batch.endpoint)
                 page.append({"line": number, "custom_id": custom_id, "valid": False, "result": line})
             else:
                 assert model is not None
