@@ -18,7 +18,7 @@ import pytest
 from anthropic.types import MessageParam
 
 from tests.support.batches import jsonl, line, read_lines, submit, wait_terminal
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, wait_for
 
 MESSAGES = "/anthropic/v1/messages"
 USER: list[MessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
@@ -244,3 +244,101 @@ def test_refused_bodies_name_the_param(http: httpx.Client) -> None:
         assert named[cid] in r.json()["error"]["message"], (cid, r.text)
     lenient = http.post(MESSAGES, json=REFUSED["unknown_field"])
     assert lenient.status_code == 200, "without strict mode an unknown field is ignored"
+
+
+# -- Message Batches -------------------------------------------------------------------------------------------------
+
+
+def wait_ended(claude: anthropic.Anthropic, batch_id: str) -> Any:
+    return wait_for(
+        lambda: (b := claude.messages.batches.retrieve(batch_id)).processing_status == "ended" and b, timeout=120
+    )
+
+
+def test_message_batch_lifecycle(claude: anthropic.Anthropic, client: openai.OpenAI, http: httpx.Client) -> None:
+    """create, retrieve, list, results, delete with the SDK; the same durable batch under /v1/batches."""
+    requests: list[Any] = [{"custom_id": f"r-{i}", "params": body(f"Row {i}.", temperature=0.0)} for i in range(3)]
+    requests.append({"custom_id": "bad", "params": body(tools=[{"name": "t", "input_schema": {"type": "object"}}])})
+    requests.append({"custom_id": "long", "params": body(max_tokens=10**6)})
+    created = claude.messages.batches.create(requests=requests)
+    assert created.id.startswith("msgbatch_") and created.type == "message_batch"
+    assert created.processing_status == "in_progress" and created.results_url is None
+    assert created.request_counts.processing == 5 and created.ended_at is None
+    assert (created.expires_at - created.created_at).total_seconds() == 24 * 3600
+    same = client.batches.retrieve("batch_" + created.id.removeprefix("msgbatch_"))
+    assert same.endpoint == MESSAGES and same.completion_window == "24h"
+    ended = wait_ended(claude, created.id)
+    counts = ended.request_counts
+    assert (counts.processing, counts.succeeded, counts.errored, counts.canceled, counts.expired) == (0, 3, 2, 0, 0)
+    assert ended.ended_at is not None and ended.results_url is not None
+    results = {r.custom_id: r.result for r in claude.messages.batches.results(created.id)}
+    assert set(results) == {"r-0", "r-1", "r-2", "bad", "long"}
+    for i in range(3):
+        ok = results[f"r-{i}"]
+        assert ok.type == "succeeded"
+        sync = claude.messages.create(**body(f"Row {i}."), extra_body=GREEDY)
+        assert ok.message.content == sync.content and ok.message.usage == sync.usage
+    bad = results["bad"]
+    assert bad.type == "errored" and bad.error.error.type == "invalid_request_error"
+    assert "'tools'" in bad.error.error.message
+    assert results["long"].type == "errored" and "context length" in results["long"].error.error.message
+    listed = [b.id for b in claude.messages.batches.list(limit=100)]
+    assert created.id in listed
+    deleted = claude.messages.batches.delete(created.id)
+    assert deleted.id == created.id and deleted.type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.batches.retrieve(created.id)
+    assert http.get(f"/v1/batches/batch_{created.id.removeprefix('msgbatch_')}").status_code == 404
+
+
+def test_message_batch_cancel(claude: anthropic.Anthropic) -> None:
+    """Cancel: canceling, then ended with the unrun requests canceled; delete refused while it runs."""
+    requests: list[Any] = [{"custom_id": f"c-{i}", "params": body(f"Row {i}.", max_tokens=40)} for i in range(40)]
+    created = claude.messages.batches.create(requests=requests)
+    canceled = claude.messages.batches.cancel(created.id)
+    assert canceled.processing_status in ("canceling", "ended") and canceled.cancel_initiated_at is not None
+    if canceled.processing_status == "canceling":
+        with pytest.raises(anthropic.ConflictError) as exc:
+            claude.messages.batches.delete(created.id)
+        assert exc.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    ended = wait_ended(claude, created.id)
+    counts = ended.request_counts
+    assert counts.canceled > 0 and counts.succeeded + counts.canceled + counts.errored == 40
+    kinds = [r.result.type for r in claude.messages.batches.results(created.id)]
+    assert len(kinds) == 40 and kinds.count("canceled") == counts.canceled
+    claude.messages.batches.delete(created.id)
+
+
+def test_message_batch_list_pages(claude: anthropic.Anthropic) -> None:
+    """after_id / before_id pages, newest first, with has_more, first_id and last_id."""
+    one: list[Any] = [{"custom_id": "x", "params": body()}]
+    ids = [claude.messages.batches.create(requests=one).id for _ in range(3)]
+    for batch_id in ids:
+        wait_ended(claude, batch_id)
+    first = claude.messages.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
+    assert first.first_id == ids[2] and first.last_id == ids[1]
+    second = claude.messages.batches.list(limit=2, after_id=ids[1])
+    assert second.data[0].id == ids[0]
+    back = claude.messages.batches.list(limit=1, before_id=ids[0])
+    assert [b.id for b in back.data] == [ids[1]] and back.has_more
+    for batch_id in ids:
+        claude.messages.batches.delete(batch_id)
+
+
+def test_message_batch_refusals(claude: anthropic.Anthropic, http: httpx.Client) -> None:
+    """Bad creates are 400s in Anthropic's envelope; unknown ids 404; results of a running batch 409."""
+    for requests, named in (
+        ([], "'requests'"),
+        ([{"custom_id": "a b", "params": body()}], "'requests[0].custom_id'"),
+        ([{"custom_id": "a", "params": body()}, {"custom_id": "a", "params": body()}], "'requests[1].custom_id'"),
+        ([{"params": body()}], "'requests[0].custom_id'"),
+    ):
+        r = http.post("/anthropic/v1/messages/batches", json={"requests": requests})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert named in r.json()["error"]["message"], r.text
+    for bad_id in ("msgbatch_nope", "batch_nope"):
+        with pytest.raises(anthropic.NotFoundError):
+            claude.messages.batches.retrieve(bad_id)
+    r = http.get("/anthropic/v1/messages/batches", params={"limit": 0})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -8,10 +8,12 @@ clients send are accepted (this server has no keys; any version is answered in t
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..services import message_batches
 from ..services.context import Call, StreamResult
 from ..services.registry import SERVICES
 from .common import json_body, state, strict_mode
@@ -19,6 +21,7 @@ from .common import json_body, state, strict_mode
 router = APIRouter()
 
 MESSAGES = "/anthropic/v1/messages"
+BATCHES = "/anthropic/v1/messages/batches"
 
 
 @router.post(MESSAGES)
@@ -37,3 +40,62 @@ async def create_message(request: Request) -> Response:
         headers = {**result.headers, "Cache-Control": "no-cache"}
         return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
     return JSONResponse(result.body, status_code=result.status_code, headers=result.headers)
+
+
+# -- Message Batches: the same durable batches as /v1/batches (services/message_batches.py) -------------------------
+
+
+@router.post(BATCHES)
+async def create_message_batch(request: Request) -> dict[str, Any]:
+    """A new Message Batch (``in_progress``) over the inline ``requests``."""
+    st = state(request)
+    answer = await message_batches.create(
+        st.store,
+        await request.body(),
+        strict=strict_mode(request),
+        base_url=str(request.base_url),
+        max_window_hours=st.settings.max_completion_window_hours(),
+        pack_default=st.settings.batch_pack_default,
+        file_expiry_seconds=st.settings.file_default_expiry_seconds,
+        caller_lease=request.headers.get("x-millm-lease"),
+    )
+    st.runner.wake()
+    return answer
+
+
+@router.get(BATCHES)
+async def list_message_batches(
+    request: Request, limit: int = 20, after_id: str | None = None, before_id: str | None = None
+) -> dict[str, Any]:
+    """A page of Message Batches, newest first."""
+    return await message_batches.list_batches(
+        state(request).store, limit=limit, after_id=after_id, before_id=before_id, base_url=str(request.base_url)
+    )
+
+
+@router.get(BATCHES + "/{message_batch_id}")
+async def retrieve_message_batch(message_batch_id: str, request: Request) -> dict[str, Any]:
+    """The Message Batch."""
+    return await message_batches.retrieve(state(request).store, message_batch_id, base_url=str(request.base_url))
+
+
+@router.post(BATCHES + "/{message_batch_id}/cancel")
+async def cancel_message_batch(message_batch_id: str, request: Request) -> dict[str, Any]:
+    """The Message Batch, now ``canceling``."""
+    st = state(request)
+    answer = await message_batches.cancel(st.store, message_batch_id, base_url=str(request.base_url))
+    st.runner.wake()
+    return answer
+
+
+@router.delete(BATCHES + "/{message_batch_id}")
+async def delete_message_batch(message_batch_id: str, request: Request) -> dict[str, Any]:
+    """``{id, type: "message_batch_deleted"}`` for an ended batch."""
+    return await message_batches.delete(state(request).store, message_batch_id)
+
+
+@router.get(BATCHES + "/{message_batch_id}/results")
+async def message_batch_results(message_batch_id: str, request: Request) -> StreamingResponse:
+    """The results as JSON Lines, streamed."""
+    lines = await message_batches.results(state(request).store, message_batch_id)
+    return StreamingResponse(lines, media_type="application/x-jsonl")
