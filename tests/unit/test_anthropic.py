@@ -1,0 +1,326 @@
+"""Anthropic's formats without a server: request checks, the chat translation, the error envelope, stop reasons,
+the sampling of ``top_k``, and the Message Batch object and results built from batch records and result lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from miserver.batches.output import failure_line, invalid_line, unrun_line
+from miserver.batches.validate import check_line
+from miserver.engines.base import EngineInfo, SamplingParams
+from miserver.engines.local.generate import sample
+from miserver.errors import APIError, ConflictError, EngineUnavailableError, NotFoundError, ServerError
+from miserver.protocol.anthropic import MessageBatch
+from miserver.scheduler import AdmissionGate
+from miserver.services import message_batches, messages
+from miserver.services.context import ServiceContext
+from miserver.store.batches import BatchRecord
+
+MODEL = "tiny"
+ENDPOINT = "/anthropic/v1/messages"
+
+
+@pytest.fixture
+def ctx() -> ServiceContext:
+    engine = SimpleNamespace(info=EngineInfo(MODEL, "serial", "float32", "sha256:0", 512))
+    return ServiceContext(engine=engine, gate=AdmissionGate(1))
+
+
+def body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def refusal(ctx: ServiceContext, b: Any, *, strict: bool = True) -> APIError:
+    with pytest.raises(APIError) as info:
+        messages.check(ctx, b, strict=strict)
+    return info.value
+
+
+# -- request checks ------------------------------------------------------------------------------------------------
+
+
+def test_valid_bodies(ctx: ServiceContext) -> None:
+    req, engine = messages.check(ctx, body(), strict=True)
+    assert req.max_tokens == 5 and engine.info.model_id == MODEL
+    neutral = body(
+        system=[{"type": "text", "text": "Be brief."}],
+        stop_sequences=["a", "b", "c", "d", "e"],
+        temperature=0.5,
+        top_p=0.9,
+        top_k=3,
+        metadata={"user_id": "u-1"},
+        tools=[],
+        tool_choice={"type": "auto"},
+        thinking={"type": "disabled"},
+        service_tier="auto",
+        stream=False,
+    )
+    messages.check(ctx, neutral, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "param"),
+    [
+        ({"max_tokens": ...}, "missing_required_parameter", "max_tokens"),
+        ({"max_tokens": 0}, "invalid_value", "max_tokens"),
+        ({"messages": []}, "invalid_value", "messages"),
+        ({"temperature": 1.5}, "invalid_value", "temperature"),
+        ({"top_k": -1}, "invalid_value", "top_k"),
+        ({"tools": [{"name": "f"}]}, "unsupported_parameter", "tools"),
+        ({"tool_choice": {"type": "any"}}, "unsupported_parameter", "tool_choice"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2000}}, "unsupported_parameter", "thinking"),
+        ({"service_tier": "priority"}, "unsupported_parameter", "service_tier"),
+        ({"cache_control": {"type": "ephemeral"}}, "unsupported_parameter", "cache_control"),
+        ({"mcp_servers": [{"url": "x"}]}, "unsupported_parameter", "mcp_servers"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "invalid_value", "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "invalid_type", "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "unsupported_value",
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+            "invalid_value",
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "missing_required_parameter",
+            "messages[0].content[0].text",
+        ),
+        (
+            {"system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]},
+            "unsupported_parameter",
+            "system[0].cache_control",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            "unsupported_value",
+            "messages[1].role",
+        ),
+        ({"metadata": {"user_id": "u", "colour": 1}}, "unknown_parameter", "metadata.colour"),
+        ({"frobnicate": 1}, "unknown_parameter", "frobnicate"),
+    ],
+)
+def test_refusals_name_the_param(ctx: ServiceContext, extra: dict[str, Any], code: str, param: str) -> None:
+    b = {k: v for k, v in body(**extra).items() if v is not ...}
+    err = refusal(ctx, b)
+    assert (err.status_code, err.code, err.param) == (400, code, param)
+    assert param.split(".")[-1].split("[")[0] in err.message
+
+
+def test_unknown_fields_only_in_strict_mode(ctx: ServiceContext) -> None:
+    messages.check(ctx, body(frobnicate=1), strict=False)
+    messages.check(ctx, body(metadata={"user_id": "u", "colour": 1}), strict=False)
+
+
+def test_model_not_found(ctx: ServiceContext) -> None:
+    err = refusal(ctx, body(model="other"))
+    assert (err.status_code, err.code, err.param) == (404, "model_not_found", "model")
+    assert err.anthropic_envelope()["error"]["type"] == "not_found_error"
+
+
+def test_chat_body_translation(ctx: ServiceContext) -> None:
+    req, _ = messages.check(
+        ctx,
+        body(
+            system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c"},
+                {"role": "user", "content": "d"},
+            ],
+            temperature=0.0,
+            top_p=0.5,
+            top_k=7,
+            stop_sequences=["x"],
+        ),
+        strict=True,
+    )
+    assert messages.chat_body(req) == {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "ab"},
+            {"role": "assistant", "content": "c"},
+            {"role": "user", "content": "d"},
+        ],
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "top_p": 0.5,
+    }
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop", "reason"),
+    [("length", None, "max_tokens"), ("stop", None, "end_turn"), ("stop", "\n", "stop_sequence")],
+)
+def test_stop_reason(finish: Any, stop: str | None, reason: str) -> None:
+    assert messages.stop_reason(finish, stop) == reason
+
+
+# -- the error envelope --------------------------------------------------------------------------------------------
+
+
+def test_answer_for_picks_the_dialect() -> None:
+    err = NotFoundError("No such thing.", param="x")
+    assert err.answer_for("/v1/batches/x") == (404, err.envelope())
+    assert err.answer_for("/anthropic/v1/messages") == (
+        404,
+        {"type": "error", "error": {"type": "not_found_error", "message": "No such thing."}},
+    )
+    assert EngineUnavailableError("busy").answer_for(ENDPOINT)[0] == 529
+    assert EngineUnavailableError("busy").anthropic_envelope()["error"]["type"] == "overloaded_error"
+    assert ServerError("x").anthropic_envelope()["error"]["type"] == "api_error"
+    assert ConflictError("x").anthropic_envelope()["error"]["type"] == "invalid_request_error"
+
+
+def test_batch_error_lines_carry_the_routes_body(ctx: ServiceContext) -> None:
+    """A refused Messages line (at validation or while running) carries the Anthropic body the route answers."""
+    raw = json.dumps({"custom_id": "a", "method": "POST", "url": ENDPOINT, "body": body(tools=[{"n": 1}])})
+    checked = check_line(ctx, ENDPOINT, raw.encode(), set())
+    assert checked.error is not None
+    sync_status, sync_body = checked.error.answer_for(ENDPOINT)
+    for text in (invalid_line("a", 1, checked.error, ENDPOINT), failure_line("a", checked.error, ENDPOINT)):
+        out = json.loads(text)
+        assert out["response"]["status_code"] == sync_status and out["response"]["body"] == sync_body
+        assert out["error"] == {"code": "unsupported_parameter", "message": checked.error.message}
+    openai_line = json.loads(failure_line("a", checked.error))
+    assert openai_line["response"]["body"] == checked.error.envelope()
+
+
+# -- top_k ---------------------------------------------------------------------------------------------------------
+
+
+def test_top_k_restricts_sampling() -> None:
+    logits = torch.tensor([3.0, 2.9, 2.8, -1.0, -2.0])
+    params = SamplingParams(max_tokens=1, temperature=5.0, seed=0)
+    drawn = {sample(logits, params, torch.Generator().manual_seed(s)) for s in range(200)}
+    assert drawn == {0, 1, 2, 3, 4}, "without top_k every token can be drawn at a high temperature"
+    top2 = dataclasses.replace(params, top_k=2)
+    assert {sample(logits, top2, torch.Generator().manual_seed(s)) for s in range(200)} == {0, 1}
+    top1 = dataclasses.replace(params, top_k=1)
+    assert {sample(logits, top1, torch.Generator().manual_seed(s)) for s in range(20)} == {0}
+    off = dataclasses.replace(params, top_k=0)
+    assert sample(logits, off, torch.Generator().manual_seed(3)) == sample(
+        logits, params, torch.Generator().manual_seed(3)
+    )
+
+
+# -- Message Batches -----------------------------------------------------------------------------------------------
+
+
+def record(**fields: Any) -> BatchRecord:
+    base: dict[str, Any] = {f.name: None for f in dataclasses.fields(BatchRecord)}
+    base.update(
+        id="batch_0123456789ab0123456789ab",
+        endpoint=ENDPOINT,
+        input_file_id="file-1",
+        completion_window="24h",
+        status="in_progress",
+        created_at=1_800_000_000,
+        expires_at=1_800_000_000 + 86400,
+        total=0,
+        completed=0,
+        failed=0,
+        input_tokens=0,
+        output_tokens=0,
+        pack=False,
+    )
+    base.update(fields)
+    return BatchRecord(**base)
+
+
+def test_ids_and_times() -> None:
+    assert message_batches.message_batch_id("batch_abc") == "msgbatch_abc"
+    assert message_batches.batch_id_of("msgbatch_abc") == "batch_abc"
+    assert message_batches.batch_id_of("batch_abc") is None
+    assert message_batches.rfc3339(0) == "1970-01-01T00:00:00Z" and message_batches.rfc3339(None) is None
+
+
+def test_message_batch_object() -> None:
+    validating = record(status="validating", metadata={"anthropic_requests": "7"})
+    obj = MessageBatch.model_validate(message_batches.message_batch(validating, 0, "http://h/"))
+    assert obj.id == "msgbatch_0123456789ab0123456789ab" and obj.processing_status == "in_progress"
+    assert obj.request_counts.processing == 7 and obj.results_url is None and obj.ended_at is None
+    running = record(total=7, completed=2, failed=1)
+    counts = message_batches.message_batch(running, 0, "http://h/")["request_counts"]
+    assert counts == {"processing": 4, "succeeded": 2, "errored": 1, "canceled": 0, "expired": 0}
+    canceling = record(status="cancelling", total=7, cancelling_at=1_800_000_100)
+    obj = MessageBatch.model_validate(message_batches.message_batch(canceling, 0, "http://h/"))
+    assert obj.processing_status == "canceling" and obj.cancel_initiated_at == "2027-01-15T08:01:40Z"
+    cancelled = record(status="cancelled", total=7, completed=2, failed=5, cancelled_at=1_800_000_200)
+    obj = MessageBatch.model_validate(message_batches.message_batch(cancelled, 4, "http://h/"))
+    assert obj.processing_status == "ended" and obj.ended_at == "2027-01-15T08:03:20Z"
+    assert obj.request_counts.model_dump() == {
+        "processing": 0,
+        "succeeded": 2,
+        "errored": 1,
+        "canceled": 4,
+        "expired": 0,
+    }
+    assert obj.results_url == f"http://h/anthropic/v1/messages/batches/{obj.id}/results"
+    expired = record(status="expired", total=3, completed=1, failed=2, expired_at=1_800_000_300)
+    assert message_batches.message_batch(expired, 2, "http://h/")["request_counts"]["expired"] == 2
+
+
+def test_result_lines() -> None:
+    ok = {
+        "id": "batch_req_1",
+        "custom_id": "a",
+        "response": {"status_code": 200, "request_id": "r", "body": {"type": "message", "id": "msg_1"}},
+        "error": None,
+    }
+    assert json.loads(message_batches.result_line(ok)) == {
+        "custom_id": "a",
+        "result": {"type": "succeeded", "message": {"type": "message", "id": "msg_1"}},
+    }
+    refused = json.loads(failure_line("b", NotFoundError("gone"), ENDPOINT))
+    assert json.loads(message_batches.result_line(refused))["result"] == {
+        "type": "errored",
+        "error": {"type": "error", "error": {"type": "not_found_error", "message": "gone"}},
+    }
+    openai_shaped = json.loads(invalid_line(None, 4, ServerError("boom")))
+    converted = json.loads(message_batches.result_line(openai_shaped))
+    assert converted == {
+        "custom_id": "line-4",
+        "result": {"type": "errored", "error": {"type": "error", "error": {"type": "api_error", "message": "boom"}}},
+    }
+    assert json.loads(message_batches.result_line(json.loads(unrun_line("c", "batch_cancelled"))))["result"] == {
+        "type": "canceled"
+    }
+    assert json.loads(message_batches.result_line(json.loads(unrun_line("d", "batch_expired"))))["result"] == {
+        "type": "expired"
+    }
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"requests": []}, "requests"),
+        ({"requests": [{"custom_id": "x" * 65, "params": {}}]}, "requests[0].custom_id"),
+        ({"requests": [{"custom_id": "a", "params": {}}, {"custom_id": "a", "params": {}}]}, "requests[1].custom_id"),
+        ({"requests": [{"custom_id": "a"}]}, "requests[0].params"),
+        ({}, "requests"),
+    ],
+)
+def test_create_refusals(payload: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        message_batches.check_create(json.dumps(payload).encode(), strict=True)
+    assert (info.value.status_code, info.value.param) == (400, param)
+
+
+def test_create_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(message_batches, "MAX_BATCH_BYTES", 64)
+    big = json.dumps({"requests": [{"custom_id": "a", "params": {"x": "y" * 64}}]}).encode()
+    with pytest.raises(APIError) as info:
+        message_batches.check_create(big, strict=False)
+    assert info.value.status_code == 413
+    assert info.value.anthropic_envelope()["error"]["type"] == "request_too_large"
