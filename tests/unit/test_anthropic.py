@@ -1,5 +1,6 @@
 """Anthropic's formats without a server: request checks, the chat translation, the error envelope, stop reasons,
-the sampling of ``top_k``, and the Message Batch object and results built from batch records and result lines."""
+the sampling of ``top_k``, the Message Batch object and results built from batch records and result lines, and the
+store's Message Batch statements (on both databases)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from miserver.protocol.anthropic import MessageBatch
 from miserver.scheduler import AdmissionGate
 from miserver.services import message_batches, messages
 from miserver.services.context import ServiceContext
+from miserver.store import Store
+from miserver.store import batches as sb
+from miserver.store import message_batches as smb
+from miserver.store import rows as sr
 from miserver.store.batches import BatchRecord
 
 MODEL = "tiny"
@@ -324,3 +329,35 @@ def test_create_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
         message_batches.check_create(big, strict=False)
     assert info.value.status_code == 413
     assert info.value.anthropic_envelope()["error"]["type"] == "request_too_large"
+
+
+# -- the store's Message Batch statements, on SQLite and PostgreSQL ---------------------------------------------------
+
+
+async def test_store_listing_and_delete(store: Store) -> None:
+    """Listing keeps to the endpoint, newest first, paged both ways; only an ended batch is deleted, with its rows."""
+    ids = [f"batch_{i:024x}" for i in range(1, 6)]
+    async with store.tx() as conn:
+        for i, batch_id in enumerate(ids):
+            endpoint = "/v1/chat/completions" if i == 2 else ENDPOINT
+            await sb.insert_batch(conn, batch_id=batch_id, endpoint=endpoint, input_file_id="file-1",
+                                  completion_window="24h", created_at=1, expires_at=86401, metadata=None, pack=False,
+                                  output_expires_seconds=None)  # fmt: skip
+            await sr.insert_rows(conn, batch_id, [{"line": 1, "custom_id": "a", "valid": True, "body": "{}"}])
+        await sb.set_fields(conn, ids[0], ("validating",), total=1)
+        await sb.transition(conn, ids[0], ("validating",), "failed", 2)
+    mine = [ids[4], ids[3], ids[1], ids[0]]  # newest first, without the chat batch
+    async with store.tx() as conn:
+        page, more = await smb.list_for_endpoint(conn, endpoint=ENDPOINT, limit=2, after=None, before=None)
+        assert ([b.id for b in page], more) == (mine[:2], True)
+        page, more = await smb.list_for_endpoint(conn, endpoint=ENDPOINT, limit=2, after=mine[1], before=None)
+        assert ([b.id for b in page], more) == (mine[2:], False)
+        page, more = await smb.list_for_endpoint(conn, endpoint=ENDPOINT, limit=1, after=None, before=mine[2])
+        assert ([b.id for b in page], more) == ([mine[1]], True)
+        page, more = await smb.list_for_endpoint(conn, endpoint=ENDPOINT, limit=5, after=None, before=mine[2])
+        assert ([b.id for b in page], more) == (mine[:2], False)
+        assert not await smb.delete_ended(conn, ids[1]), "a batch still validating is not deleted"
+        assert await smb.delete_ended(conn, ids[0])
+        assert await sb.get_batch(conn, ids[0]) is None and await sb.get_batch(conn, ids[1]) is not None
+        assert [r async for r in sr.iter_rows(conn, ids[0])] == []
+        assert len([r async for r in sr.iter_rows(conn, ids[1])]) == 1
