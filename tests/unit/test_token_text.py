@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,10 +21,11 @@ import openai
 import pytest
 import torch
 
+from miserver.batches.packing import budget_packs
 from miserver.engines.base import GenerationRequest, SamplingParams, TokenLogprob
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.generate import TextStream, _Output, logprobs_of, text_pieces, token_texts
-from miserver.scheduler import AdmissionGate
+from miserver.scheduler import AdmissionGate, Priority
 from miserver.services import chat, completions
 from miserver.services.context import Call, ServiceContext, ServiceResult, StreamResult
 
@@ -378,3 +379,45 @@ async def test_usage_carries_openai_details(ctx: ServiceContext) -> None:
     assert completion.usage.prompt_tokens_details.cached_tokens == 0
     streamed = (await run_stream(completions, ctx, {"model": "tiny", "prompt": "Once", "max_tokens": 3}))[-1]
     assert {k: streamed["usage"][k] for k in details} == details
+
+
+# -- the batch-line twins: a batch row runs the same service code, its usage is what a batch sums -------------------
+
+
+async def test_batch_rows_count_tokens_as_the_synchronous_route(engine: LocalEngine, ctx: ServiceContext) -> None:
+    hello, there = ids_of(engine, "Hello there")
+    last = engine.tokenize_chat(MESSAGES)[-1]
+    generating = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 12, "stop": ["lo th"],
+                  "logprobs": True}  # fmt: skip
+    scoring = {**generating, "max_tokens": 1, "stop": ["lo"]}  # one forward pass: packable
+
+    def boost_hello(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        output[..., hello] += 100.0  # on the LM head: the packed scoring pass reads it too
+        return output
+
+    batch_call = Call(strict=True, priority=Priority.BATCH)
+    with scripted(engine, {last: hello, hello: there}, int(engine.loaded.tokenizer.eos_token_id), []):
+        sync = [await run(chat, ctx, generating)]
+        plain = [o async for o in chat.create_many(ctx, [generating], batch_call, None)]
+    head = engine.loaded.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    handle = head.register_forward_hook(boost_hello)
+    try:
+        sync.append(await run(chat, ctx, scoring))
+        plain += [o async for o in chat.create_many(ctx, [scoring], batch_call, None)]
+        packed = [o async for o in chat.create_many(ctx, [scoring, scoring], batch_call, budget_plan)]
+    finally:
+        handle.remove()
+    assert [s.completion_tokens for s in sync] == [2, 1]
+    assert [s.body["choices"][0]["message"]["content"] for s in sync] == ["Hel", "Hel"]
+    for outcome, expected in [*zip(plain, sync, strict=True), *((o, sync[1]) for o in packed)]:
+        assert isinstance(outcome.result, ServiceResult)
+        assert outcome.result.completion_tokens == expected.completion_tokens
+        assert outcome.result.body["usage"] == expected.body["usage"]
+        assert outcome.result.body["choices"][0]["message"] == expected.body["choices"][0]["message"]
+        lp = outcome.result.body["choices"][0]["logprobs"]["content"]
+        assert [(t["token"], t["bytes"]) for t in lp] == [("Hel", list(b"Hel"))]
+    assert any(o.packed for o in packed)
+
+
+def budget_plan(lengths: Sequence[int]) -> list[list[int]]:
+    return budget_packs(lengths, 4096)
