@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ from miserver.protocol.common import parse_request
 from miserver.protocol.responses import ResponseCreateRequest
 from miserver.scheduler import AdmissionGate
 from miserver.services import responses
-from miserver.services.context import ServiceContext
+from miserver.services.context import ServiceContext, StreamResult
 from tests.support.fake_engine import MODEL, FakeEngine
 
 
@@ -142,3 +144,51 @@ def test_the_response_object_parses_with_the_sdk(finish: str, status: str) -> No
     assert parsed.output[0].status == status  # type: ignore[union-attr]
     started = Response.model_validate(responses._response(req, ("resp_1", "msg_1"), 100, MODEL, text=None))
     assert started.status == "in_progress" and started.output == [] and started.usage is None
+
+
+def _chat_stream(closed: list[bool], finish: str) -> StreamResult:
+    async def events() -> AsyncIterator[str]:
+        try:
+            yield json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            for piece in ("Hel", "lo"):
+                yield json.dumps({"choices": [{"index": 0, "delta": {"content": piece}}]})
+            yield json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+            yield json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 16}})
+            yield "[DONE]"
+        finally:
+            closed.append(True)
+
+    return StreamResult(events(), {"X-miLLM-Model": MODEL})
+
+
+async def _events(finish: str, *, take: int | None = None) -> tuple[list[dict[str, Any]], list[bool]]:
+    closed: list[bool] = []
+    stream = responses._stream(ctx(), request(store=False), [], _chat_stream(closed, finish), ("resp_1", "msg_1"), 1)
+    events = []
+    async for payload in stream:
+        events.append(json.loads(payload))
+        if take is not None and len(events) == take:
+            await stream.aclose()  # type: ignore[attr-defined]
+            break
+    return events, closed
+
+
+@pytest.mark.parametrize(("finish", "last"), [("stop", "response.completed"), ("length", "response.incomplete")])
+async def test_the_chat_stream_becomes_responses_events(finish: str, last: str) -> None:
+    events, closed = await _events(finish)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", last,
+    ]  # fmt: skip
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output_text == "Hello" and final.usage is not None and final.usage.output_tokens == 16
+    assert events[-2]["item"] == events[-1]["response"]["output"][0]
+    assert closed == [True]
+
+
+async def test_a_stream_closed_early_closes_the_chat_stream() -> None:
+    events, closed = await _events("stop", take=5)
+    assert events[-1]["type"] == "response.output_text.delta"
+    assert closed == [True], "the chat stream (and its admission slot) is released at once"

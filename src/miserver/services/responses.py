@@ -313,6 +313,10 @@ async def _stream(
     except APIError as exc:
         yield event("error", code=exc.code, message=exc.message, param=exc.param)
         return
+    finally:  # a client gone mid-stream closes this generator: the chat stream frees the admission slot now
+        close = getattr(chat_stream.events, "aclose", None)
+        if close is not None:
+            await close()
     text = "".join(pieces)
     part = OutputText(text=text).model_dump()
     yield event("response.output_text.done", **where, text=text, logprobs=[])
