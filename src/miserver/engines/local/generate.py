@@ -152,10 +152,9 @@ class TokenTexts:
         )
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self.added = {int(i): str(t) for i, t in added.items()}
-        #: ids the text skips (``skip_special_tokens``): they return no text
-        self.special = frozenset(int(i) for i, t in added.items() if getattr(t, "special", False)) | frozenset(
-            int(i) for i in tokenizer.all_special_ids
-        )
+        #: ids the text skips (``skip_special_tokens``: added tokens marked special, as the decoder skips them)
+        special = [int(i) for i, t in added.items() if getattr(t, "special", False)]
+        self.special = frozenset(special if added else (int(i) for i in tokenizer.all_special_ids))
         self._raw: dict[int, bytes] = {}
         self._token: dict[int, str] = {}
 
