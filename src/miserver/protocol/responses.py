@@ -292,10 +292,14 @@ class IncompleteDetails(ResponseModel):
 
 
 class TextFormat(ResponseModel):
+    """``text.format`` of a Response: plain text."""
+
     type: Literal["text"] = "text"
 
 
 class ResponseTextConfig(ResponseModel):
+    """``text`` of a Response."""
+
     format: TextFormat = Field(default_factory=TextFormat)
 
 
