@@ -28,6 +28,8 @@ from miserver.engines.local.generate import TextStream, _Output, logprobs_of, te
 from miserver.scheduler import AdmissionGate, Priority
 from miserver.services import chat, completions
 from miserver.services.context import Call, ServiceContext, ServiceResult, StreamResult
+from miserver.settings import EMBEDDED_MODEL_ID
+from tests.support.tiny_model import default_cache_dir
 
 JAPANESE = "ありがとう、日本語 😀 héllo"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
@@ -421,3 +423,38 @@ async def test_batch_rows_count_tokens_as_the_synchronous_route(engine: LocalEng
 
 def budget_plan(lengths: Sequence[int]) -> list[list[int]]:
     return budget_packs(lengths, 4096)
+
+
+@pytest.mark.slow
+async def test_the_issue_examples_on_the_real_model() -> None:
+    """Issue 10 items 2 and 3 as reported, on the embedded SmolLM2 (greedy, float32, CPU)."""
+    real = await LocalEngine.start(EMBEDDED_MODEL_ID, cache_dir=default_cache_dir())
+    try:
+        ctx = ServiceContext(engine=real, gate=AdmissionGate(1), rng=random.Random(0))
+        model = EMBEDDED_MODEL_ID
+        hello = [{"role": "user", "content": "Reply with exactly these two words: Hello there"}]
+        body = {"model": model, "messages": hello, "temperature": 0, "max_tokens": 20, "logprobs": True}
+        plain = await run(chat, ctx, body)
+        assert plain.body["choices"][0]["message"]["content"].startswith("Hello there")
+        stopped = (await run(chat, ctx, {**body, "stop": ["lo th"]})).body
+        assert stopped["choices"][0]["message"]["content"] == "Hel"
+        assert stopped["usage"]["completion_tokens"] == 2  # "Hello" and " there"
+        assert [(t["token"], t["bytes"]) for t in stopped["choices"][0]["logprobs"]["content"]] == [
+            ("Hel", list(b"Hel"))
+        ]
+        thanks = [{"role": "user", "content": "Write thank you in Japanese."}]
+        answer = (await run(chat, ctx, {**body, "messages": thanks, "max_tokens": 30})).body["choices"][0]
+        content = answer["logprobs"]["content"]
+        assert b"".join(bytes(t["bytes"]) for t in content) == answer["message"]["content"].encode("utf-8")
+        assert all("\ufffd" not in t["token"] for t in content)
+        assert any(t["token"].startswith("bytes:\\x") for t in content)
+        text_body = {"model": model, "prompt": "English: thank you\nJapanese:", "temperature": 0, "max_tokens": 3,
+                     "logprobs": 5}  # fmt: skip
+        choice = (await run(completions, ctx, text_body)).body["choices"][0]
+        lp = choice["logprobs"]
+        assert "".join(lp["tokens"]) == choice["text"]
+        assert all(0 <= o <= len(choice["text"]) for o in lp["text_offset"])
+        for value, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+            assert len(top) == 5 and max(top.values()) == value
+    finally:
+        await real.close()
