@@ -48,4 +48,3 @@ def pool_pack(model: PreTrainedModel, requests: Sequence[PoolRequest], *, pad_id
             vec = vec / vec.norm().clamp_min(1e-12)
         vectors.append(vec.cpu().numpy().astype(np.float32, copy=False))
     return vectors
-

@@ -268,4 +268,3 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     elif extra is not None:
         ids.update(int(i) for i in extra)
     return frozenset(ids)
-
