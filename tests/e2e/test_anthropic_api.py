@@ -291,16 +291,18 @@ def test_message_batch_lifecycle(claude: anthropic.Anthropic, client: openai.Ope
     assert http.get(f"/v1/batches/batch_{created.id.removeprefix('msgbatch_')}").status_code == 404
 
 
-def test_message_batch_cancel(claude: anthropic.Anthropic) -> None:
-    """Cancel: canceling, then ended with the unrun requests canceled; delete refused while it runs."""
+def test_message_batch_cancel(claude: anthropic.Anthropic, http: httpx.Client) -> None:
+    """While it runs a batch is neither deleted nor read (409); cancel: canceling, then ended with the unrun requests
+    canceled."""
     requests: list[Any] = [{"custom_id": f"c-{i}", "params": body(f"Row {i}.", max_tokens=40)} for i in range(40)]
     created = claude.messages.batches.create(requests=requests)
+    with pytest.raises(anthropic.ConflictError) as exc:  # 40 rows of 40 tokens: still running a moment later
+        claude.messages.batches.delete(created.id)
+    assert exc.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    early = http.get(f"/anthropic/v1/messages/batches/{created.id}/results")
+    assert early.status_code == 409 and early.json()["error"]["type"] == "invalid_request_error"
     canceled = claude.messages.batches.cancel(created.id)
     assert canceled.processing_status in ("canceling", "ended") and canceled.cancel_initiated_at is not None
-    if canceled.processing_status == "canceling":
-        with pytest.raises(anthropic.ConflictError) as exc:
-            claude.messages.batches.delete(created.id)
-        assert exc.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     ended = wait_ended(claude, created.id)
     counts = ended.request_counts
     assert counts.canceled > 0 and counts.succeeded + counts.canceled + counts.errored == 40
