@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from miserver.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams, StreamDelta
+from miserver.engines.base import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    PoolRequest,
+    SamplingParams,
+    StreamDelta,
+)
 from miserver.engines.local import generate as gen
 from miserver.engines.local import loader
 from miserver.engines.local.engine import LocalEngine
@@ -115,7 +122,7 @@ async def test_context_length_caps_generation(engine: LocalEngine) -> None:
 
 
 async def test_eos_stops_and_is_not_returned(engine: LocalEngine, loaded: LoadedModel) -> None:
-    greedy = (await engine.generate(request(engine, prompt="Once upon a time", max_tokens=10, temperature=0.0)))
+    greedy = await engine.generate(request(engine, prompt="Once upon a time", max_tokens=10, temperature=0.0))
     ids = greedy.sequences[0].token_ids
     eng = LocalEngine.from_loaded(loaded, "tiny-eos")
     eng.eos_ids = frozenset({ids[3]})
@@ -204,7 +211,7 @@ async def test_concurrent_requests_are_serialised_and_unchanged(engine: LocalEng
 
 
 async def test_executions_counter_and_hook(engine: LocalEngine) -> None:
-    seen: list[GenerationRequest] = []
+    seen: list[GenerationRequest | PoolRequest] = []
     engine.on_execute = seen.append
     before = engine.executions
     req = request(engine, max_tokens=2)
