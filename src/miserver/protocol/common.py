@@ -85,11 +85,31 @@ class Unencodable(NamedTuple):
     is_key: bool
 
 
+def _any_surrogate(value: Any) -> bool:
+    """Whether any string of a decoded JSON value (field names included) holds an unpaired surrogate: the walk of
+    :func:`find_unpaired_surrogate` without building a path per node (measured at about 40% of ``json.loads`` per
+    line of a 4 kB chat line, against more than 100% with paths), so the common case stays cheap."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii() and _surrogate_at(node) is not None:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+            stack.extend(node.keys())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
 def find_unpaired_surrogate(value: Any, loc: tuple[int | str, ...] = ()) -> Unencodable | None:
     """The first string of a decoded JSON value, field name or value, that holds an unpaired surrogate, in document
     order; None when every string encodes as UTF-8. JSON allows ``"\\ud800"``, but no Unicode text holds it: it
     cannot be tokenised, stored or logged. Iterative, so that no nesting depth the JSON parser accepts overflows it.
     """
+    if not _any_surrogate(value):
+        return None  # the common case, walked without building a path per node
     stack: list[tuple[tuple[int | str, ...], Any] | Unencodable] = [(loc, value)]
     while stack:
         entry = stack.pop()
