@@ -15,6 +15,7 @@ from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .api import anthropic as anthropic_api
 from .api import batches as batches_api
 from .api import embeddings as embeddings_api
 from .api import files as files_api
@@ -23,6 +24,7 @@ from .api import inference as inference_api
 from .api import leases as leases_api
 from .api import models as models_api
 from .api import probes as probes_api
+from .api import responses as responses_api
 from .api.common import AppState
 from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
 from .events import ProgressEvents
@@ -34,8 +36,9 @@ from .settings import Settings
 log = logging.getLogger("miserver")
 
 
-def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.envelope(), status_code=exc.status_code)
+def _error_response(exc: APIError, path: str = "") -> JSONResponse:
+    status, body = exc.answer_for(path)  # Anthropic's envelope under /anthropic/, OpenAI's elsewhere
+    return JSONResponse(body, status_code=status)
 
 
 class ServerErrors:
@@ -67,7 +70,7 @@ class ServerErrors:
             if started:
                 raise
             log.exception("unhandled error", exc_info=exc)
-            await _error_response(ServerError(SERVER_ERROR_MESSAGE))(scope, receive, send)
+            await _error_response(ServerError(SERVER_ERROR_MESSAGE), scope.get("path", ""))(scope, receive, send)
 
 
 class TrailingSlash:
@@ -136,31 +139,34 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         return response
 
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
         loc = tuple(p for p in err.get("loc", ()) if p not in ("query", "path", "body", "header"))
         param = param_path(loc) or None
         message = f"Invalid '{param}': {err.get('msg', 'invalid value')}."
-        return _error_response(InvalidRequestError(message, param=param))
+        return _error_response(InvalidRequestError(message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        path = request.url.path
         if exc.status_code == 404:
-            return _error_response(NotFoundError("Unknown route.", code="unknown_url"))
+            return _error_response(NotFoundError("Unknown route.", code="unknown_url"), path)
         if exc.status_code == 405:
             refused = InvalidRequestError("Method not allowed for this route.", code="method_not_allowed")
-            return JSONResponse(refused.envelope(), status_code=405)
+            return JSONResponse(refused.answer_for(path)[1], status_code=405)
         other = APIError(str(exc.detail))
-        return JSONResponse(other.envelope(), status_code=exc.status_code)
+        return JSONResponse(other.answer_for(path)[1], status_code=exc.status_code)
 
     for module in (inference_api, models_api, files_api, batches_api, leases_api, health_api):
         app.include_router(module.router)
     app.include_router(embeddings_api.router)
     app.include_router(probes_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(anthropic_api.router)
     app.state.events = events
     return app
 

@@ -147,12 +147,12 @@ def test_output_expiry_bounds_are_inclusive(seconds: int) -> None:
     assert req.output_expires_after is not None and req.output_expires_after.seconds == seconds
 
 
-def test_endpoint_order_and_planned_hint() -> None:
+def test_endpoint_is_checked_first_and_the_message_lists_the_endpoints() -> None:
     # the endpoint is checked before the window
     with pytest.raises(InvalidRequestError) as info:
-        check(body(endpoint="/v1/responses", completion_window="0h"), strict=False, max_window_hours=168)
+        check(body(endpoint="/v1/moderations", completion_window="0h"), strict=False, max_window_hours=168)
     check_error(info, "endpoint")
-    assert "not supported yet" in info.value.message
+    assert "/v1/responses" in info.value.message and "/anthropic/v1/messages" in info.value.message
 
 
 def test_unknown_field_only_in_strict_mode() -> None:

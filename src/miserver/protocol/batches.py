@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, InstanceOf
 
 from .common import RequestModel, ResponseModel
 
@@ -20,7 +20,14 @@ BATCH_STATUSES: tuple[BatchStatus, ...] = (
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "expired", "cancelled"})
 
 #: Endpoints a batch accepts in this release; the rest of DESIGN §3.2 are refused until they exist.
-BATCH_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/probes/score")
+BATCH_ENDPOINTS: tuple[str, ...] = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/api/probes/score",
+    "/v1/responses",
+    "/anthropic/v1/messages",
+)
 
 
 class OutputExpiresAfter(RequestModel):
@@ -41,12 +48,16 @@ class BatchCreateRequest(RequestModel):
 
 class BatchInputLine(RequestModel):
     """One line of a batch input file: ``{"custom_id", "method", "url", "body"}`` (DESIGN §3.3), parsed strictly
-    (an unknown line field is refused). The values are checked by ``batches.validate.check_line``."""
+    (an unknown line field is refused). The values are checked by ``batches.validate.check_line``; ``body`` is the
+    endpoint service's to parse, so it is taken as the object it is (checked to be an object, never copied: a deep
+    copy of every body would cost as much as reading the file)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     custom_id: str
     method: str
     url: str
-    body: dict[str, Any]
+    body: InstanceOf[dict]  # type: ignore[type-arg]  # InstanceOf needs the bare class; the keys are strings (JSON)
 
 
 class BatchLineError(ResponseModel):

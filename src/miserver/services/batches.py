@@ -40,8 +40,6 @@ from .common import decode_json
 from .files import content_expired
 from .idempotency import Keyed, check_key, create_once
 
-#: Endpoints of DESIGN §3.2 that a later release will accept (refused with a "not supported yet" hint).
-PLANNED_ENDPOINTS = ("/v1/responses", "/anthropic/v1/messages")
 #: ``completion_window``: whole hours, written ``<n>h`` without a leading zero.
 WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
 #: ``metadata`` limits: pairs, characters per key, characters per value.
@@ -73,12 +71,10 @@ class BatchCreate:
 
 
 def check_endpoint(endpoint: str) -> None:
-    """400 ``invalid_value`` (param ``endpoint``) unless ``endpoint`` is one a batch accepts; a planned endpoint's
-    message says it is not supported yet."""
+    """400 ``invalid_value`` (param ``endpoint``) unless ``endpoint`` is one a batch accepts; the message lists them."""
     if endpoint not in BATCH_ENDPOINTS:
-        hint = " It is not supported yet." if endpoint in PLANNED_ENDPOINTS else ""
         raise InvalidRequestError(
-            f"Invalid 'endpoint': {endpoint!r}.{hint} Supported: {', '.join(BATCH_ENDPOINTS)}.", param="endpoint"
+            f"Invalid 'endpoint': {endpoint!r}. Supported: {', '.join(BATCH_ENDPOINTS)}.", param="endpoint"
         )
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from . import chat, completions, embeddings, probes
+from . import chat, completions, embeddings, messages, probes, responses
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 from .many import Outcome, Plan, run_each
 
@@ -30,4 +30,8 @@ SERVICES: dict[str, EndpointService] = {
     "/v1/completions": EndpointService(completions.check, completions.create, completions.create_many, True),
     "/v1/embeddings": EndpointService(embeddings.check, embeddings.create, embeddings.create_many, True),
     "/api/probes/score": EndpointService(probes.check, probes.create, partial(run_each, probes.create), False),
+    "/v1/responses": EndpointService(responses.check, responses.create, partial(run_each, responses.create), False),
+    "/anthropic/v1/messages": EndpointService(
+        messages.check, messages.create, partial(run_each, messages.create), False
+    ),
 }
