@@ -270,7 +270,7 @@ class Validator:
                 await self._insert(batch.id, page)
                 page = []
             if summary.total % HEARTBEAT_LINES == 0:
-                async with self.store.tx() as conn:  # heartbeat; a cancel stops the validation here
+                async with self.store.tx() as conn:  # heartbeat; a finished batch or a lost claim stops it here
                     await self._hold(conn, batch.id)
         await self._insert(batch.id, page)
         if summary.total == 0:
