@@ -166,7 +166,6 @@ def test_retrieve_and_cancel_unknown_batch_404(module_server: ServerProcess) -> 
 BAD_CREATES: list[tuple[str, dict[str, Any], str]] = [
     ("unknown endpoint", {"endpoint": "/v1/unknown"}, "endpoint"),
     ("moderations", {"endpoint": "/v1/moderations"}, "endpoint"),
-    ("responses not yet", {"endpoint": "/v1/responses"}, "endpoint"),
     ("window 0h", {"completion_window": "0h"}, "completion_window"),
     ("window 169h", {"completion_window": "169h"}, "completion_window"),
     ("window 24", {"completion_window": "24"}, "completion_window"),
