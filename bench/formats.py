@@ -81,10 +81,29 @@ def _responses_text(body: dict[str, Any]) -> str:
     return "".join(part["text"] for item in body["output"] for part in item["content"])
 
 
-#: The formats measured, chat (the reference) first. Add ``"messages"`` (``/anthropic/v1/messages``) here.
+def _messages_body(model: str, turns: Turns, max_tokens: int, store: bool) -> dict[str, Any]:
+    del store  # an Anthropic Message is never stored
+    system = "\n".join(t["content"] for t in turns if t["role"] == "system")
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [t for t in turns if t["role"] != "system"],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if system:
+        body["system"] = system
+    return body
+
+
+def _messages_text(body: dict[str, Any]) -> str:
+    return "".join(block["text"] for block in body["content"] if block["type"] == "text")
+
+
+#: The formats measured, chat (the reference) first.
 FORMATS: dict[str, Format] = {
     "chat": Format("/v1/chat/completions", _chat_body, lambda b: b["choices"][0]["message"]["content"] or ""),
     "responses": Format("/v1/responses", _responses_body, _responses_text),
+    "messages": Format("/anthropic/v1/messages", _messages_body, _messages_text),
 }
 
 
