@@ -308,6 +308,9 @@ def batch_run(path: str, endpoint: str, window: str, output: str | None, errors:
     files.append((errors, final.error_file_id, "error lines", "--errors"))
     for target, file_id, what, option in files:
         if file_id is None:
+            if target:  # no such lines: an empty file, so that a file from an earlier run is not taken for this one
+                Path(target).write_bytes(b"")
+                click.echo(f"no {what}: {target} is empty")
             continue
         if target:
             Path(target).write_bytes(client.files.content(file_id).content)

@@ -35,6 +35,14 @@ def test_batch_run_saves_output_and_error_lines(sqlite_module_server: ServerProc
     assert [f["custom_id"] for f in failed] == ["bad-1"]
     assert failed[0]["response"]["body"]["error"]["param"] == "temperature"
 
+    # a second run with no failed row empties the error file instead of leaving the first run's lines there
+    source.write_text(json.dumps(rows[0]) + "\n")
+    again = CliRunner().invoke(
+        main, ["batch", "run", str(source), "-o", str(out), "-e", str(err), "--url", sqlite_module_server.base_url]
+    )
+    assert again.exit_code == 0, again.output
+    assert err.read_bytes() == b"" and f"no error lines: {err} is empty" in again.output
+
 
 def test_batch_run_without_paths_names_the_files(sqlite_module_server: ServerProcess, tmp_path: Path) -> None:
     source = tmp_path / "one-bad.jsonl"

@@ -281,6 +281,7 @@ async def test_cancel_while_validating_accounts_for_every_line(store: Store, mon
     assert not fake(runner).executed
     lines = await output_lines(store, done)
     assert sorted(x["error"]["code"] for x in lines) == ["batch_cancelled"] * 6 + ["invalid_json_line"]
+    assert done.errors is not None and [(e["line"], e["code"]) for e in done.errors] == [(7, "invalid_json_line")]
 
 
 async def test_two_runners_racing_the_same_batches(store: Store) -> None:

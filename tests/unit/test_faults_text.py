@@ -360,6 +360,18 @@ def test_stop_of_the_wrong_type_names_stop_and_what_it_accepts(ctx: ServiceConte
     assert one_bad is not None and (one_bad.code, one_bad.param) == ("invalid_type", "stop[1]")
 
 
+@pytest.mark.parametrize("endpoint", [CHAT, TEXT])
+@pytest.mark.parametrize(("stop", "param"), [("", "stop"), (["a", ""], "stop[1]")])
+def test_an_empty_stop_sequence_is_refused_not_dropped(
+    ctx: ServiceContext, endpoint: str, stop: Any, param: str
+) -> None:
+    body = {**BASE[endpoint], "stop": stop}
+    err = sync_error(ctx, endpoint, body)
+    assert err is not None and (err.code, err.param) == ("invalid_value", param)
+    _, line_err = line_error(ctx, endpoint, body)
+    assert line_err is not None and (line_err.code, line_err.param, line_err.message) == (err.code, param, err.message)
+
+
 @pytest.mark.parametrize("value", [{}, {"type": "bogus"}, {"type": 5}, {"json_schema": {}}])
 def test_response_format_of_no_known_type_is_an_invalid_value(ctx: ServiceContext, value: Any) -> None:
     body = {**BASE[CHAT], "response_format": value}

@@ -291,8 +291,9 @@ class Validator:
                 claimed_by=None,
                 claimed_until=None,
             )
-            if status == "cancelling":
-                return  # cancelled while validating: every line is in, the runner finishes it as cancelled
+            if status == "cancelling":  # cancelled while validating: every line is in, the runner finishes it
+                await store_batches.set_fields(conn, batch.id, (status,), errors=summary.errors or None)
+                return
             if summary.valid and len(summary.models) == 1 and foreign is not None:
                 raise BatchFailure(
                     "lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model"

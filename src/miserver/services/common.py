@@ -117,9 +117,15 @@ def check_stream_options(stream: bool | None, stream_options: object | None) -> 
 
 
 def check_stop(stop: str | list[str] | None) -> None:
-    """OpenAI allows a string or at most 4 strings."""
+    """OpenAI allows a string or at most 4 strings. An empty string can stop nothing: it is refused (400
+    ``invalid_value`` naming it), never silently dropped."""
     if isinstance(stop, list) and len(stop) > 4:
         raise InvalidRequestError("Invalid 'stop': at most 4 stop sequences are allowed.", param="stop")
+    sequences = [stop] if isinstance(stop, str) else stop or []
+    for i, sequence in enumerate(sequences):
+        if sequence == "":
+            param = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            raise InvalidRequestError(f"Invalid '{param}': a stop sequence must not be empty.", param=param)
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context_length: int, *, param: str) -> None:
