@@ -17,6 +17,7 @@ import pytest
 
 from miserver.batches.runner import BatchRunner
 from miserver.ids import now, ordered_id
+from miserver.leases import LeaseManager
 from miserver.scheduler import AdmissionGate, Priority
 from miserver.services.context import ServiceContext
 from miserver.settings import Settings
@@ -342,3 +343,63 @@ async def test_a_batch_with_no_valid_line_lists_one_error_per_line(store: Store)
             "code": x["response"]["body"]["error"]["code"],
             "message": x["response"]["body"]["error"]["message"],
         }
+
+
+async def test_a_chunk_longer_than_the_lease_keeps_the_lease(store: Store) -> None:
+    """The chunk's heartbeat renews the batch's lease: a row that outlasts the lease's TTL (a loaded machine) does
+    not let another batch take the model between this batch's chunks."""
+    now_s = [1_000_000.0]
+    runner = runner_for(store, batch_claim_ttl_seconds=0.03, batch_lease_ttl_seconds=60)
+    runner.ctx.leases = LeaseManager(clock=lambda: now_s[0])
+    engine = fake(runner)
+    batch = await create_batch(store, input_lines("l", 2))
+    assert await runner.validator.run(batch)
+    engine.hold.clear()
+    chunk = asyncio.create_task(runner.advance(batch.id))
+    await engine.entered.wait()
+    lease = runner.ctx.leases.current()
+    assert lease is not None and lease.holder.endswith(batch.id)
+    first_expiry = lease.expires_at
+    now_s[0] += 50  # the row has run for 50 of the lease's 60 seconds
+    for _ in range(10_000):  # the next heartbeat (every 10 ms of real time) renews it from the clock's now
+        current = runner.ctx.leases.current()
+        if current is not None and current.expires_at > first_expiry:
+            break
+        await asyncio.sleep(0.001)
+    now_s[0] += 50  # past the first expiry
+    current = runner.ctx.leases.current()
+    assert current is not None and current.lease == lease.lease, "the lease outlived its first TTL"
+    engine.hold.set()
+    await chunk
+
+
+async def test_a_create_and_a_cancel_are_seen_while_another_batch_runs_a_row(store: Store) -> None:
+    """While batch A's chunk is inside a row (the engine held), a new batch B validates and a cancelled batch C
+    ends: the runner's quick pass does not wait for A's chunk to end."""
+    runner = runner_for(store)
+    engine = fake(runner)
+    a = await create_batch(store, input_lines("a", 3))
+    engine.hold.clear()
+    loop = asyncio.create_task(runner.run())
+    await engine.entered.wait()  # A's first row is inside the engine, and stays there
+    b = await create_batch(store, input_lines("b", 2))
+    c = await create_batch(store, input_lines("c", 2))
+    async with store.tx() as conn:
+        await sb.transition(conn, c.id, ("validating",), "cancelling", now())
+    runner.wake()
+    for _ in range(10_000):  # bounded: each turn yields to the runner's tasks
+        current_b, current_c = await get(store, b.id), await get(store, c.id)
+        if current_b.status == "in_progress" and current_c.status == "cancelled":
+            break
+        await asyncio.sleep(0.001)
+    assert (current_b.status, current_b.total) == ("in_progress", 2)
+    assert (current_c.status, current_c.total, current_c.failed) == ("cancelled", 2, 2)
+    assert engine.executed == [], "A's row is still held: everything above happened beside its chunk"
+    engine.hold.set()
+    for _ in range(10_000):
+        if all([(await get(store, x.id)).terminal for x in (a, b)]):
+            break
+        await asyncio.sleep(0.001)
+    runner.stop()
+    await loop
+    assert [(await get(store, x.id)).status for x in (a, b)] == ["completed", "completed"]

@@ -18,6 +18,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 
+from ..errors import APIError
 from ..ids import now, now_ms
 from ..scheduler import Priority
 from ..services.context import ServiceContext
@@ -62,13 +63,18 @@ class BatchRunner:
         self.claim_ttl_ms = int(settings.batch_claim_ttl_seconds * 1000)
         self.validator = Validator(store, ctx, settings, self.worker_id)
         self._wake = asyncio.Event()
+        self._kick = asyncio.Event()
         self._stopping = False
+        #: The batch whose chunk this process is running now (the quick pass leaves it to the chunk loop).
+        self._chunk_batch: str | None = None
         #: Validation tasks running in this process, by batch id (a finished task removes itself).
         self._validations: dict[str, asyncio.Task[None]] = {}
 
     def wake(self) -> None:
-        """Ask the loop to look at the batches now (a batch was created or cancelled)."""
+        """Ask the loop to look at the batches now (a batch was created or cancelled): a new batch starts validating
+        and a cancelled one is finished at once, even while another batch's chunk runs (:meth:`quick_pass`)."""
         self._wake.set()
+        self._kick.set()
 
     def stop(self) -> None:
         """Graceful stop: the current row finishes and is recorded, then the loop returns."""
@@ -85,6 +91,7 @@ class BatchRunner:
         pruner = asyncio.create_task(
             pruning.prune_forever(self.store, self.settings.file_prune_interval_seconds), name="miserver-file-pruning"
         )
+        quick = asyncio.create_task(self._quick_passes(), name="miserver-batch-quick-pass")
         try:
             while not self._stopping:
                 busy = await self.step()
@@ -93,7 +100,7 @@ class BatchRunner:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_seconds)
         finally:
-            tasks = [pruner, *self._validations.values()]
+            tasks = [pruner, quick, *self._validations.values()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -119,6 +126,31 @@ class BatchRunner:
             except Exception:  # a fault of one batch must not stop the others
                 log.exception("batch %s: runner error", batch_id)
         return busy
+
+    async def _quick_passes(self) -> None:
+        while not self._stopping:
+            await self._kick.wait()
+            self._kick.clear()
+            try:
+                await self.quick_pass()
+            except Exception:
+                log.exception("quick pass failed")
+
+    async def quick_pass(self) -> None:
+        """Advance the ``validating`` and ``cancelling`` batches now, without waiting for the chunk loop to reach
+        them: their steps are short (a validation runs as its own task; a finish writes the files), so a create or a
+        cancel is seen at once even while another batch's chunk runs. A batch whose chunk runs here is left to it."""
+        async with self.store.tx() as conn:
+            active = await store_batches.active_batches(conn)
+        for batch in active:
+            if batch.status not in ("validating", "cancelling") or batch.id == self._chunk_batch:
+                continue
+            try:
+                await self.advance(batch.id)
+            except StaleStatus as exc:
+                log.info("%s", exc)
+            except Exception:
+                log.exception("batch %s: runner error", batch.id)
 
     async def advance(self, batch_id: str) -> bool:
         """Advance one batch by one step, from a fresh read of its record; True when it ran or finished something."""
@@ -204,6 +236,13 @@ class BatchRunner:
     # -- running ----------------------------------------------------------------------------------------------
 
     async def _run_chunk(self, batch: BatchRecord, ready: Readiness) -> bool:
+        self._chunk_batch = batch.id
+        try:
+            return await self._claim_and_run(batch, ready)
+        finally:
+            self._chunk_batch = None
+
+    async def _claim_and_run(self, batch: BatchRecord, ready: Readiness) -> bool:
         token = secrets.token_hex(16)
         async with self.store.tx() as conn:
             claimed = await store_rows.claim(
@@ -225,7 +264,7 @@ class BatchRunner:
             self.on_change(batch.id)
             return True
         try:
-            async with self.ctx.gate.hold(Priority.BATCH) as slot, self._heartbeat(batch.id, token):
+            async with self.ctx.gate.hold(Priority.BATCH) as slot, self._heartbeat(batch.id, token, ready.lease):
                 if not self._model_resident(batch):
                     # the model was unloaded or swapped while this chunk waited for the slot: run nothing
                     await self._set_waiting(batch, "model_not_resident", None)
@@ -256,8 +295,10 @@ class BatchRunner:
         return engine is not None and not self.ctx.loading and engine.info.model_id == batch.model
 
     @contextlib.asynccontextmanager
-    async def _heartbeat(self, batch_id: str, token: str) -> AsyncIterator[None]:
-        """Extend the chunk's claim every third of its TTL while the chunk runs (even within a long row)."""
+    async def _heartbeat(self, batch_id: str, token: str, lease: str | None) -> AsyncIterator[None]:
+        """Every third of the claim TTL while the chunk runs (even within a long row): extend the chunk's claim, and
+        renew the lease the batch runs under, so that a chunk longer than the lease's TTL (a slow or loaded machine)
+        does not let the lease lapse and another batch take the model between two of this batch's chunks."""
 
         async def beat() -> None:
             while True:
@@ -266,6 +307,9 @@ class BatchRunner:
                     await store_rows.extend_claim(
                         conn, batch_id=batch_id, token=token, until_ms=now_ms() + self.claim_ttl_ms
                     )
+                if lease is not None:
+                    with contextlib.suppress(APIError):  # released or taken meanwhile: the next pass decides
+                        self.ctx.leases.renew(lease)
 
         task = asyncio.create_task(beat())
         try:
