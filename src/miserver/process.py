@@ -36,6 +36,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, sig: int, timeout: float) -> int | None:
+    """Send ``sig`` to ``proc`` (if it runs) and wait up to ``timeout`` seconds for it to end, then SIGKILL it;
+    returns its exit status (None when it never started)."""
+    if proc is None or proc.poll() is not None:
+        return proc.returncode if proc else None
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
 class ServerProcess:
     """Spawns ``python -m miserver.cli serve``; ``start()`` returns once ``/api/health`` answers 200.
 
@@ -124,14 +137,7 @@ class ServerProcess:
         handed out."""
         while self._clients:
             self._clients.pop().close()
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=10)
+        return stop_process(self.proc, sig, timeout)
 
     def kill9(self) -> int | None:
         """A crash: SIGKILL, then wait for the process to end."""
@@ -192,11 +198,4 @@ class WorkerProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         """Send ``sig`` and wait for the process to end; returns its exit status."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=10)
+        return stop_process(self.proc, sig, timeout)

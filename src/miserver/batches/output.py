@@ -64,27 +64,25 @@ def _error_response(error: APIError, endpoint: str) -> BatchLineResponse:
 def failure_line(custom_id: str, error: APIError, endpoint: str = "") -> str:
     """The error line of a row refused while running: the synchronous route's status and body under ``response``
     (the route of ``endpoint``), and the same code and message under ``error``."""
-    return _dump(
-        BatchOutputLine(
-            id=random_id("batch_req_"),
-            custom_id=custom_id,
-            response=_error_response(error, endpoint),
-            error=_line_error(error),
-        )
-    )
+    return _dump(_error_line(custom_id, error, endpoint))
 
 
 def invalid_line(custom_id: str | None, line: int, error: APIError, endpoint: str = "") -> str:
     """The error line of an input line refused at validation: as :func:`failure_line`, plus ``millm.line`` (its
     1-based line number in the input file)."""
-    return _dump(
-        BatchOutputLine(
-            id=random_id("batch_req_"),
-            custom_id=custom_id,
-            response=_error_response(error, endpoint),
-            error=_line_error(error),
-            millm=BatchLineExtension(line=line),
-        )
+    return _dump(_error_line(custom_id, error, endpoint, BatchLineExtension(line=line)))
+
+
+def _error_line(
+    custom_id: str | None, error: APIError, endpoint: str, extension: BatchLineExtension | None = None
+) -> BatchOutputLine:
+    fields: dict[str, object] = {"millm": extension} if extension is not None else {}
+    return BatchOutputLine(
+        id=random_id("batch_req_"),
+        custom_id=custom_id,
+        response=_error_response(error, endpoint),
+        error=_line_error(error),
+        **fields,  # type: ignore[arg-type]  # left unset (not null) when absent: see BatchOutputLine
     )
 
 
