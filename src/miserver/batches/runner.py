@@ -35,6 +35,9 @@ from .validate import BatchFailure, Validator
 
 log = logging.getLogger("miserver.batches")
 
+#: The statuses whose step is short enough for the quick pass (a validation task starts, a finish is written).
+QUICK_STATUSES = ("validating", "cancelling")
+
 SERVER_VALIDATION_ERROR: dict[str, object] = {
     "code": "server_error",
     "message": "Validation failed on the server.",
@@ -143,21 +146,25 @@ class BatchRunner:
         async with self.store.tx() as conn:
             active = await store_batches.active_batches(conn)
         for batch in active:
-            if batch.status not in ("validating", "cancelling") or batch.id == self._chunk_batch:
+            if batch.status not in QUICK_STATUSES or batch.id == self._chunk_batch:
                 continue
             try:
-                await self.advance(batch.id)
+                await self.advance(batch.id, only=QUICK_STATUSES)
             except StaleStatus as exc:
                 log.info("%s", exc)
             except Exception:
                 log.exception("batch %s: runner error", batch.id)
 
-    async def advance(self, batch_id: str) -> bool:
-        """Advance one batch by one step, from a fresh read of its record; True when it ran or finished something."""
+    async def advance(self, batch_id: str, *, only: tuple[str, ...] | None = None) -> bool:
+        """Advance one batch by one step, from a fresh read of its record; True when it ran or finished something.
+
+        ``only`` limits the step to batches in those statuses as read now (the quick pass never runs a chunk)."""
         async with self.store.tx() as conn:
             batch = await store_batches.get_batch(conn, batch_id)
         if batch is None or batch.terminal:
             return False
+        if only is not None and (batch.status not in only or batch.id == self._chunk_batch):
+            return False  # a quick step only, never beside this process's own chunk of the batch
         if batch.status == "validating":
             if batch.id not in self._validations:
                 self._start_validation(batch)
