@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -91,6 +91,24 @@ async def settle(*runners: BatchRunner, batch_ids: list[str], passes: int = 200)
             if r._validations:
                 await asyncio.gather(*list(r._validations.values()), return_exceptions=True)
     raise AssertionError(f"batches did not finish: {statuses}")
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], turns: int = 10_000) -> None:
+    """Await ``check()`` until it is true, yielding to the runner's tasks between tries (bounded: ``turns`` tries,
+    1 ms apart); the caller's assertions then say what was expected."""
+    for _ in range(turns):
+        if await check():
+            return
+        await asyncio.sleep(0.001)
+
+
+async def _statuses(store: Store, batch_ids: tuple[str, ...], wanted: tuple[str, ...]) -> bool:
+    return tuple([(await get(store, b)).status for b in batch_ids]) == wanted
+
+
+async def _renewed(runner: BatchRunner, after: float) -> bool:
+    current = runner.ctx.leases.current()
+    return current is not None and current.expires_at > after
 
 
 async def output_lines(store: Store, batch: BatchRecord) -> list[dict[str, Any]]:
@@ -361,11 +379,8 @@ async def test_a_chunk_longer_than_the_lease_keeps_the_lease(store: Store) -> No
     assert lease is not None and lease.holder.endswith(batch.id)
     first_expiry = lease.expires_at
     now_s[0] += 50  # the row has run for 50 of the lease's 60 seconds
-    for _ in range(10_000):  # the next heartbeat (every 10 ms of real time) renews it from the clock's now
-        current = runner.ctx.leases.current()
-        if current is not None and current.expires_at > first_expiry:
-            break
-        await asyncio.sleep(0.001)
+    # the next heartbeat (every 10 ms of real time) renews it from the clock's now
+    await eventually(lambda: _renewed(runner, first_expiry))
     now_s[0] += 50  # past the first expiry
     current = runner.ctx.leases.current()
     assert current is not None and current.lease == lease.lease, "the lease outlived its first TTL"
@@ -387,19 +402,13 @@ async def test_a_create_and_a_cancel_are_seen_while_another_batch_runs_a_row(sto
     async with store.tx() as conn:
         await sb.transition(conn, c.id, ("validating",), "cancelling", now())
     runner.wake()
-    for _ in range(10_000):  # bounded: each turn yields to the runner's tasks
-        current_b, current_c = await get(store, b.id), await get(store, c.id)
-        if current_b.status == "in_progress" and current_c.status == "cancelled":
-            break
-        await asyncio.sleep(0.001)
+    await eventually(lambda: _statuses(store, (b.id, c.id), ("in_progress", "cancelled")))
+    current_b, current_c = await get(store, b.id), await get(store, c.id)
     assert (current_b.status, current_b.total) == ("in_progress", 2)
     assert (current_c.status, current_c.total, current_c.failed) == ("cancelled", 2, 2)
     assert engine.executed == [], "A's row is still held: everything above happened beside its chunk"
     engine.hold.set()
-    for _ in range(10_000):
-        if all([(await get(store, x.id)).terminal for x in (a, b)]):
-            break
-        await asyncio.sleep(0.001)
+    await eventually(lambda: _statuses(store, (a.id, b.id), ("completed", "completed")))
     runner.stop()
     await loop
     assert [(await get(store, x.id)).status for x in (a, b)] == ["completed", "completed"]
