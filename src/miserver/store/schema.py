@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    UniqueConstraint,
     text,
 )
 
@@ -51,9 +52,12 @@ files = Table(
     Column("status", String(16), nullable=False, server_default="processed"),
     Column("status_details", Text, nullable=True),
     Column("content_deleted_at", BigInteger, nullable=True),
+    # the API key that uploaded the file (or whose batch wrote it); NULL when made with no keys in the database
+    Column("owner_key_id", String(64), nullable=True),
     CheckConstraint("purpose IN ('batch', 'batch_output')", name="purpose"),
     CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
 )
+Index("ix_files_owner_key_id", files.c.owner_key_id, files.c.id)
 
 file_chunks = Table(
     "file_chunks",
@@ -100,10 +104,18 @@ batches = Table(
     # which process validates or finishes the batch now (several workers share PostgreSQL)
     Column("claimed_by", String(128), nullable=True),
     Column("claimed_until", BigInteger, nullable=True),
+    # accounts (issue 13): the owner key, the batch prices fixed at creation (JSON ``{model: [input, output]}`` in
+    # micro-units per million tokens, batch discount applied), the input tokens counted at validation (the queue
+    # quota's reservation while the batch is not terminal), and since when the batch waits for a top-up
+    Column("owner_key_id", String(64), nullable=True),
+    Column("prices_json", Text, nullable=True),
+    Column("enqueued_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("balance_waiting_since", BigInteger, nullable=True),
     CheckConstraint("status IN (" + ", ".join(f"'{s}'" for s in BATCH_STATUSES) + ")", name="status"),
     CheckConstraint("completed >= 0 AND failed >= 0 AND completed + failed <= total", name="counts"),
 )
 Index("ix_batches_active", batches.c.status, batches.c.id)
+Index("ix_batches_owner_key_id", batches.c.owner_key_id, batches.c.id)
 
 batch_rows = Table(
     "batch_rows",
@@ -192,6 +204,7 @@ probes = Table(
     Column("training_json", Text, nullable=True),
     Column("description", Text, nullable=True),
     Column("created_at", BigInteger, nullable=False),
+    Column("owner_key_id", String(64), nullable=True),
     CheckConstraint("pooling IN ('mean', 'last')", name="pooling"),
     CheckConstraint("layer >= 0 AND hidden_size > 0", name="shape"),
 )
@@ -208,5 +221,73 @@ responses = Table(
     Column("expires_at", BigInteger, nullable=False),
     Column("body_json", Text, nullable=False),
     Column("turns_json", Text, nullable=False),
+    Column("owner_key_id", String(64), nullable=True),
 )
 Index("ix_responses_expires_at", responses.c.expires_at)
+
+# API keys (issue 13). Only the SHA-256 digest of a key and a display prefix are kept; the key itself is shown once.
+# ``balance`` is in integer micro-units of the price table's currency, NULL for an unlimited key; it always equals the
+# sum of the key's credits minus the sum of its usage costs (both tables below), which is how it is audited.
+# ``max_pending_batches`` and ``max_enqueued_tokens`` are the key's queue quotas (NULL: none).
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("name", String(128), nullable=False),
+    Column("digest", String(64), nullable=False, unique=True),
+    Column("prefix", String(16), nullable=False),
+    Column("admin", Boolean, nullable=False, server_default=text("false")),
+    Column("balance", BigInteger, nullable=True),
+    Column("max_pending_batches", Integer, nullable=True),
+    Column("max_enqueued_tokens", BigInteger, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("revoked_at", BigInteger, nullable=True),
+    CheckConstraint(
+        "(max_pending_batches IS NULL OR max_pending_batches >= 0) AND "
+        "(max_enqueued_tokens IS NULL OR max_enqueued_tokens >= 0)",
+        name="quotas",
+    ),
+)
+
+# Money put on a key: the opening balance and every top-up, one line each (micro-units, > 0).
+key_credits = Table(
+    "key_credits",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("key_id", String(64), ForeignKey("api_keys.id"), nullable=False),
+    Column("amount", BigInteger, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    CheckConstraint("amount > 0", name="amount_positive"),
+)
+Index("ix_key_credits_key_id", key_credits.c.key_id)
+
+# One line per successful synchronous request or batch row of a key: written in the transaction that records the
+# result, unique per request id and per batch line, so a row recorded twice is never charged twice. ``cost`` is in
+# micro-units; ``day`` (UTC, ``YYYY-MM-DD``) is the per-day rollup's key.
+usage_records = Table(
+    "usage_records",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("key_id", String(64), ForeignKey("api_keys.id"), nullable=False),
+    Column("model", String(512), nullable=False),
+    Column("kind", String(8), nullable=False),
+    Column("endpoint", String(64), nullable=False),
+    Column("input_tokens", BigInteger, nullable=False),
+    Column("output_tokens", BigInteger, nullable=False),
+    Column("cost", BigInteger, nullable=False),
+    Column("request_id", String(64), nullable=True, unique=True),
+    Column("batch_id", String(64), nullable=True),
+    Column("line", Integer, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("day", String(10), nullable=False),
+    UniqueConstraint("batch_id", "line", name="uq_usage_records_batch_line"),
+    CheckConstraint("kind IN ('realtime', 'batch')", name="kind"),
+    CheckConstraint("input_tokens >= 0 AND output_tokens >= 0 AND cost >= 0", name="amounts"),
+    CheckConstraint(
+        "(kind = 'batch' AND batch_id IS NOT NULL AND line IS NOT NULL) OR "
+        "(kind = 'realtime' AND batch_id IS NULL AND line IS NULL)",
+        name="source",
+    ),
+)
+Index("ix_usage_records_key_day", usage_records.c.key_id, usage_records.c.day)
+Index("ix_usage_records_day", usage_records.c.day)
