@@ -51,6 +51,13 @@ class BatchRecord:
     caller_lease: str | None
     claimed_by: str | None
     claimed_until: int | None
+    #: accounts (issue 13): the owner key (None: made with no keys), the batch prices fixed at creation
+    #: (``{model: [input, output]}``, micro-units per million tokens), the input tokens counted at validation, and
+    #: since when the batch waits for a top-up
+    owner_key_id: str | None = None
+    prices: dict[str, list[int]] | None = None
+    enqueued_tokens: int = 0
+    balance_waiting_since: int | None = None
 
     @property
     def terminal(self) -> bool:
@@ -62,6 +69,8 @@ class BatchRecord:
         metadata, errors = m.pop("metadata_json"), m.pop("errors_json")
         m["metadata"] = json.loads(metadata) if metadata else None
         m["errors"] = json.loads(errors) if errors else None
+        prices = m.pop("prices_json", None)
+        m["prices"] = json.loads(prices) if prices else None
         m["pack"] = bool(m["pack"])
         return cls(**m)
 
