@@ -16,6 +16,7 @@ ANTHROPIC_PREFIX = "/anthropic/"
 ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
     409: "invalid_request_error",
@@ -154,3 +155,60 @@ class EngineUnavailableError(APIError):
     status_code = 503
     type = "server_error"
     default_code = "engine_unavailable"
+
+
+class AuthenticationError(APIError):
+    """401 ``invalid_api_key``: the request carries no API key, or one this server does not know (or revoked)."""
+
+    status_code = 401
+    default_code = "invalid_api_key"
+
+
+class PermissionDeniedError(APIError):
+    """403 ``permission_denied``: the key is valid but the route is for admin keys only."""
+
+    status_code = 403
+    default_code = "permission_denied"
+
+
+class InsufficientQuotaError(APIError):
+    """402 ``insufficient_quota``: the key's balance is used up (402, not 429: the SDKs retry a 429)."""
+
+    status_code = 402
+    type = "insufficient_quota"
+    default_code = "insufficient_quota"
+
+
+class QueueQuotaError(APIError):
+    """429: creating the batch would exceed one of the key's queue quotas; the message names the limit and the
+    current value (``code``: ``pending_batch_limit_exceeded`` or ``token_limit_exceeded``)."""
+
+    status_code = 429
+    type = "tokens"
+    default_code = "token_limit_exceeded"
+
+
+class UpstreamUnavailableError(EngineUnavailableError):
+    """503 ``upstream_unavailable``: no upstream serving the model is reachable now (gateway mode); a batch row is
+    not failed for it: it waits with ``waiting_reason: upstream_unavailable``."""
+
+    default_code = "upstream_unavailable"
+
+
+class UpstreamTimeoutError(APIError):
+    """504 ``upstream_timeout``: the upstream did not answer within the configured timeouts."""
+
+    status_code = 504
+    type = "server_error"
+    default_code = "upstream_timeout"
+
+
+class UpstreamError(APIError):
+    """An upstream's own error answer, kept with its status (a 4xx that is the request's own fault, or the last
+    retryable answer); ``envelope`` is OpenAI's, normalised from the upstream's dialect."""
+
+    def __init__(self, status_code: int, envelope: dict[str, Any]) -> None:
+        error = envelope["error"]
+        super().__init__(str(error["message"]), param=error.get("param"), code=error.get("code"))
+        self.status_code = status_code
+        self.type = str(error.get("type") or "server_error")

@@ -1,0 +1,100 @@
+"""Accounts routes (issue 13): API keys (admin only), usage rollups, the caller's own key, and a batch input file's
+cost estimate. Thin wrappers over ``services/accounts.py`` and ``services/billing.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from ..services import accounts, billing
+from ..services.accounts import KeySpec, key_object, require_admin
+from .common import json_body, state
+
+router = APIRouter()
+admin = APIRouter(dependencies=[Depends(require_admin)])
+
+
+@admin.post("/api/keys")
+async def create_key(request: Request) -> dict[str, Any]:
+    """``{name, admin, balance, max_pending_batches, max_enqueued_tokens}`` -> the key object with ``key`` (shown
+    this once)."""
+    record, key = await accounts.create_key(state(request).store, KeySpec.parse(await json_body(request)))
+    return key_object(record, key)
+
+
+@admin.get("/api/keys")
+async def list_keys(request: Request) -> dict[str, Any]:
+    """Every key (never the key itself), oldest first."""
+    records = await accounts.list_keys(state(request).store)
+    return {"object": "list", "data": [key_object(r) for r in records]}
+
+
+@admin.get("/api/keys/{key_id}")
+async def get_key(key_id: str, request: Request) -> dict[str, Any]:
+    """One key's object."""
+    return key_object(await accounts.get_key(state(request).store, key_id))
+
+
+@admin.post("/api/keys/{key_id}/revoke")
+async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+    """Revoke a key: 401 for it from now on; its running batches end ``failed`` (``key_revoked``)."""
+    record = await accounts.revoke_key(state(request).store, key_id)
+    state(request).runner.wake()
+    return key_object(record)
+
+
+@admin.post("/api/keys/{key_id}/top_up")
+async def top_up(key_id: str, request: Request) -> dict[str, Any]:
+    """``{amount}`` micro-units onto the key's balance; a batch waiting for a top-up goes on."""
+    body = await json_body(request)
+    amount = body.get("amount") if isinstance(body, dict) else None
+    record = await accounts.top_up(state(request).store, key_id, amount)
+    state(request).runner.wake()
+    return key_object(record)
+
+
+router.include_router(admin)
+
+
+@router.get("/api/account")
+async def account(request: Request) -> dict[str, Any]:
+    """The calling key's object (its balance and quotas); ``{"id": null, ...}`` on a server without keys."""
+    principal = accounts.current()
+    if principal.key_id is None:
+        return {"id": None, "object": "api_key", "name": principal.name, "admin": True, "balance": None}
+    return key_object(await accounts.get_key(state(request).store, principal.key_id))
+
+
+@router.get("/api/usage")
+async def usage(
+    request: Request,
+    start: str | None = None,
+    end: str | None = None,
+    key: str | None = None,
+    model: str | None = None,
+    kind: str | None = None,
+    group_by: str = "day",
+) -> dict[str, Any]:
+    """Usage summed per ``group_by`` (``day``, ``model`` or ``key``) from day ``start`` to day ``end`` (UTC,
+    ``YYYY-MM-DD``), filtered by ``key``, ``model``, ``kind``; a key reads its own usage, an admin anyone's."""
+    st = state(request)
+    prices = st.ctx.prices or billing.PriceTable()
+    return await billing.usage_rollup(
+        st.store,
+        group_by=group_by,
+        start=start,
+        end=end,
+        key=key,
+        model=model,
+        kind=kind,
+        currency=prices.currency,
+    )
+
+
+@router.get("/v1/files/{file_id}/cost_estimate")
+async def cost_estimate(file_id: str, request: Request, endpoint: str = "/v1/chat/completions") -> dict[str, Any]:
+    """Rows, input tokens and the estimated batch cost of a batch input file at the current prices (extension);
+    output tokens are bounded by each row's ``max_tokens``, so the cost is an upper bound."""
+    st = state(request)
+    return await billing.estimate_file_cost(st.store, st.ctx, file_id, endpoint)
