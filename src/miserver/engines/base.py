@@ -11,7 +11,7 @@ result) or as one right-padded pack of many (``score_many``, ``embed_many``: the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -131,6 +131,17 @@ class StreamDelta:
 
 
 @dataclass(frozen=True)
+class Generated:
+    """One request of a :meth:`GeneratesMany.generate_many` call, finished: ``index`` is its position among the
+    requests given, ``result`` what :meth:`Engine.generate` returns for it (or the ``ValueError`` it raises), and
+    ``packed`` whether any of its sequences shared a forward pass with another sequence."""
+
+    index: int
+    result: GenerationResult | ValueError
+    packed: bool
+
+
+@dataclass(frozen=True)
 class ScoreRequest:
     """A request answered by one forward pass over its prompt (DESIGN §3.4, scoring mode).
 
@@ -191,6 +202,24 @@ class EngineInfo:
     context_length: int
     hidden_size: int = 0
     num_layers: int = 0
+
+
+@runtime_checkable
+class GeneratesMany(Protocol):
+    """The batched-generation capability (continuous batching): many generation requests decode together."""
+
+    def generate_many(
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        slots: int,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> AsyncIterator[Generated]:
+        """Run ``requests`` with up to ``slots`` sequences per forward pass, a finished sequence's slot going to the
+        next waiting request; yield each request as soon as all its sequences are done (in no particular order).
+        ``should_stop()`` is asked (on the caller's thread) before every decode step: once true the iterator ends
+        and the requests in flight are not yielded (their work is dropped)."""
+        ...
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ import torch
 
 from miserver.engines.base import (
     EngineInfo,
+    Generated,
     GenerationRequest,
     GenerationResult,
     PoolRequest,
@@ -27,6 +28,7 @@ from miserver.engines.base import (
     StreamDelta,
     Vector,
 )
+from miserver.engines.local.batched import BatchDecoder, batchable
 from miserver.engines.local.embed import pool_pack
 from miserver.engines.local.generate import collect_result, generate_request
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
@@ -70,6 +72,7 @@ class LocalEngine:
         self._vocab_size = int(rows)
         self.executions = 0
         self.on_execute: Callable[[GenerationRequest | PoolRequest], None] | None = None
+        self._can_batch: bool | None = None  # see batched.batchable
 
     @classmethod
     async def start(
@@ -146,6 +149,55 @@ class LocalEngine:
         self._count(request)
         return self._stream(request)
 
+    async def generate_many(
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        slots: int,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> AsyncIterator[Generated]:
+        """Continuous batching (``batched.BatchDecoder``): up to ``slots`` sequences per decode step, a finished
+        sequence's slot refilled from the waiting requests; each request yielded when all its sequences are done.
+
+        Each decode step is one job on the engine thread; between steps ``should_stop()`` is asked on the caller's
+        thread, and once true the iterator ends, dropping the requests in flight. A request is counted
+        (``executions``, ``on_execute``) when it starts. With ``slots`` 1, or a model whose cache cannot be batched
+        (sliding-window layers), the requests run one at a time through :meth:`generate`. A request that
+        :meth:`generate` refuses (``ValueError``) is yielded with that error as its result.
+        """
+        loaded = self.loaded
+        if slots <= 1 or not self._batchable():
+            for i, request in enumerate(requests):
+                if should_stop is not None and should_stop():
+                    return
+                try:
+                    yield Generated(i, await self.generate(request), False)
+                except ValueError as exc:
+                    yield Generated(i, exc, False)
+            return
+        decoder = BatchDecoder(
+            loaded.model,
+            loaded.tokenizer,
+            requests,
+            slots=slots,
+            eos_ids=self.eos_ids,
+            max_positions=self.context_length or None,
+        )
+
+        def step(admitted: list[int]) -> list[Generated]:
+            with torch.inference_mode():
+                return decoder.step(admitted)
+
+        loop = asyncio.get_running_loop()
+        while not decoder.done:
+            if should_stop is not None and should_stop():
+                return
+            admitted = decoder.admit()
+            for r in admitted:
+                self._count(requests[r])
+            for finished in await loop.run_in_executor(self._executor, step, admitted):
+                yield finished
+
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """One scoring request alone (a pack of one row, no padding). Raises ``ValueError`` as :meth:`score_many`."""
         return (await self.score_many([request]))[0]
@@ -202,6 +254,11 @@ class LocalEngine:
             torch.cuda.empty_cache()
 
     # --- engine thread -------------------------------------------------------------------------------------------
+
+    def _batchable(self) -> bool:
+        if self._can_batch is None:
+            self._can_batch = batchable(self.loaded.model)
+        return self._can_batch
 
     def _count(self, request: GenerationRequest | PoolRequest) -> None:
         if self._loaded is None:

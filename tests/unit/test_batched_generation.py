@@ -1,0 +1,156 @@
+"""Continuous batching in the local engine (``engines/local/batched.py``) on the tiny random Llama, float32, CPU.
+
+Packed and single runs agree at temperature 0 (same tokens, text, finish reason and usage for every row; logprobs
+within float32 rounding); per-row seeds, stops and limits hold; a finished sequence's slot is refilled at once; a
+request that never shared a forward pass is the synchronous result bit for bit; a stop ends at a step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from miserver.engines.base import Generated, GenerationRequest, GenerationResult, GeneratesMany, SamplingParams
+from miserver.engines.local.engine import LocalEngine
+from miserver.engines.local.loader import load_model, resolve_model_source
+
+PROMPTS = [
+    "hello there",
+    "tell me about the sea and the ships on it, and the sailors",
+    "why",
+    "what is the capital of France?",
+    "ok then",
+    "a b c d e f g",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
+    loaded = load_model(resolve_model_source(str(tiny_model_dir), None), tmp_path_factory.mktemp("cache"), "cpu")
+    eng = LocalEngine.from_loaded(loaded, "tiny")
+    yield eng
+    asyncio.run(eng.close())
+
+
+def req(engine: LocalEngine, text: str, n: int = 1, **params: object) -> GenerationRequest:
+    return GenerationRequest(tuple(engine.tokenize(text)), SamplingParams(**params), n)  # type: ignore[arg-type]
+
+
+async def many(engine: LocalEngine, requests: list[GenerationRequest], slots: int = 4) -> list[Generated]:
+    return [g async for g in engine.generate_many(requests, slots=slots)]
+
+
+def by_index(done: list[Generated]) -> dict[int, GenerationResult]:
+    out = {}
+    for g in done:
+        assert isinstance(g.result, GenerationResult)
+        out[g.index] = g.result
+    return out
+
+
+def assert_same(single: GenerationResult, packed: GenerationResult) -> None:
+    """Same tokens, text, finish reason, stop string and usage; logprobs within float32 rounding."""
+    assert packed.prompt_tokens == single.prompt_tokens
+    assert len(packed.sequences) == len(single.sequences)
+    for a, b in zip(single.sequences, packed.sequences, strict=True):
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_sequence) == (
+            a.text,
+            a.token_ids,
+            a.finish_reason,
+            a.stop_sequence,
+        )
+        assert b.completion_tokens == a.completion_tokens
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert (x.token, x.token_bytes, x.text, [t[0] for t in x.top]) == (
+                y.token,
+                y.token_bytes,
+                y.text,
+                [t[0] for t in y.top],
+            )
+            assert abs(x.logprob - y.logprob) < 1e-4
+    assert packed.completion_tokens == single.completion_tokens
+
+
+async def test_packed_equals_single_at_temperature_zero(engine: LocalEngine) -> None:
+    assert isinstance(engine, GeneratesMany)
+    requests = [req(engine, t, max_tokens=3 + 5 * i, temperature=0, logprobs=2) for i, t in enumerate(PROMPTS)]
+    singles = [await engine.generate(r) for r in requests]
+    done = await many(engine, requests, slots=4)
+    assert sorted(g.index for g in done) == list(range(len(requests)))
+    assert all(g.packed for g in done)
+    results = by_index(done)
+    for i, single in enumerate(singles):
+        assert_same(single, results[i])
+
+
+async def test_per_row_stops_limits_seeds_and_n(engine: LocalEngine) -> None:
+    free = await engine.generate(req(engine, PROMPTS[1], max_tokens=16, temperature=0))
+    text = free.sequences[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string that the row meets halfway
+    assert stop and stop in text
+    requests = [
+        req(engine, PROMPTS[1], max_tokens=16, temperature=0, stop=(stop,)),
+        req(engine, PROMPTS[0], max_tokens=2, temperature=0),
+        req(engine, PROMPTS[2], n=3, max_tokens=6, temperature=1.0, top_p=0.9, seed=7, logprobs=0),
+        req(engine, PROMPTS[3], max_tokens=5, temperature=0.8, seed=123),
+    ]
+    singles = [await engine.generate(r) for r in requests]
+    first = by_index(await many(engine, requests, slots=3))
+    again = by_index(await many(engine, requests, slots=3))
+    assert first[0].sequences[0].finish_reason == "stop" and first[0].sequences[0].stop_sequence == stop
+    assert first[0].sequences[0].text == text[: text.index(stop)]
+    assert first[1].completion_tokens == 2 and first[1].sequences[0].finish_reason == "length"
+    for i, single in enumerate(singles):
+        assert_same(single, first[i])  # sampled rows too: their own generators, logits within rounding
+        assert_same(first[i], again[i])  # same seed, same output within packed mode
+    seqs = first[2].sequences
+    assert len({tuple(s.token_ids) for s in seqs}) > 1, "the n samples use seeds seed, seed+1, seed+2"
+
+
+async def test_a_finished_row_frees_its_slot_for_the_next(engine: LocalEngine) -> None:
+    requests = [
+        req(engine, PROMPTS[1], max_tokens=24, temperature=0),
+        req(engine, PROMPTS[0], max_tokens=2, temperature=0),
+        req(engine, PROMPTS[3], max_tokens=5, temperature=0),
+    ]
+    order = [g.index for g in await many(engine, requests, slots=2)]
+    # Two slots: the long row and the 2-token row start; the 2-token row finishes first and the third row takes its
+    # slot, finishing long before the 40-token row.
+    assert order == [1, 2, 0]
+
+
+async def test_a_row_alone_is_the_synchronous_result_bit_for_bit(engine: LocalEngine) -> None:
+    request = req(engine, PROMPTS[4], max_tokens=8, temperature=0, logprobs=3)
+    single = await engine.generate(request)
+    (only,) = await many(engine, [request], slots=4)
+    assert only.packed is False and only.result == single
+    assert [g.result == single for g in await many(engine, [request], slots=1)] == [True]
+
+
+async def test_refusals_and_empty_requests_fail_alone(engine: LocalEngine) -> None:
+    requests = [
+        GenerationRequest((), SamplingParams(max_tokens=4, temperature=0)),
+        req(engine, PROMPTS[0], max_tokens=0),
+        req(engine, PROMPTS[2], max_tokens=3, temperature=0),
+    ]
+    done = {g.index: g.result for g in await many(engine, requests)}
+    assert isinstance(done[0], ValueError)
+    assert isinstance(done[1], GenerationResult) and done[1].completion_tokens == 0
+    assert done[1].sequences[0].finish_reason == "length"
+    assert done[2] == await engine.generate(requests[2])
+
+
+async def test_a_stop_ends_at_the_next_step_and_drops_the_rows_in_flight(engine: LocalEngine) -> None:
+    requests = [req(engine, PROMPTS[0], max_tokens=2, temperature=0)] + [
+        req(engine, t, max_tokens=20, temperature=0) for t in PROMPTS[1:4]
+    ]
+    seen: list[int] = []
+    before = engine.executions
+    async for g in engine.generate_many(requests, slots=2, should_stop=lambda: bool(seen)):
+        seen.append(g.index)
+    assert seen == [0], "the short row, then the stop: the long row in flight is not yielded"
+    assert engine.executions - before == 2, "the freed slot would be refilled at the next step, which never came"
