@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -50,6 +51,32 @@ def main() -> None:
     """miServer: an OpenAI-compatible inference server with a durable Batch API."""
 
 
+def upstream_options(command: Callable[P, R]) -> Callable[P, R]:
+    """``--upstream NAME=URL`` (repeatable) and ``--no-model``, shared by ``serve`` and ``worker``."""
+    command = click.option(
+        "--no-model",
+        is_flag=True,
+        default=None,
+        help="Start without a resident model: a pure gateway to the upstreams (env MISERVER_NO_MODEL).",
+    )(command)
+    return click.option(
+        "--upstream",
+        multiple=True,
+        metavar="NAME=URL[;max_in_flight=N][;api_key_env=VAR]",
+        help="An OpenAI-compatible server to send requests for its models to (repeatable; env MISERVER_UPSTREAMS "
+        "as name=url,name=url). The API key is read from the variable api_key_env names.",
+    )(command)
+
+
+def _upstream_overrides(upstream: tuple[str, ...], no_model: bool | None) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    if upstream:
+        overrides["upstreams"] = ",".join(upstream)
+    if no_model:
+        overrides["no_model"] = True
+    return overrides
+
+
 @main.command()
 @click.option("--host", envvar="MISERVER_HOST", default="127.0.0.1", show_default=True, help="Bind address.")
 @click.option("--port", envvar="MISERVER_PORT", default=8000, show_default=True, type=int, help="TCP port.")
@@ -57,7 +84,17 @@ def main() -> None:
 @click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
 @click.option("--model", envvar="MISERVER_MODEL", default=None, help="Catalogue id, transformers dir or .gguf file.")
 @click.option("--served-model-name", envvar="MISERVER_SERVED_MODEL_NAME", default=None, help="Id to serve it under.")
+@click.option(
+    "--catalogue", envvar="MISERVER_CATALOGUE", default=None, type=click.Path(), help="Catalogue file (TOML or YAML)."
+)
 @click.option("--log-level", envvar="MISERVER_LOG_LEVEL", default="info", show_default=True)
+@click.option(
+    "--insecure-no-auth",
+    envvar="MISERVER_INSECURE_NO_AUTH",
+    is_flag=True,
+    help="Serve a non-loopback address with no API key in the database (open to anyone who reaches the port).",
+)
+@upstream_options
 def serve(
     host: str,
     port: int,
@@ -65,7 +102,11 @@ def serve(
     data_dir: str,
     model: str | None,
     served_model_name: str | None,
+    catalogue: str | None,
     log_level: str,
+    insecure_no_auth: bool,
+    upstream: tuple[str, ...],
+    no_model: bool | None,
 ) -> None:
     """Run the HTTP server, the resident model and the batch runner.
 
@@ -73,6 +114,8 @@ def serve(
     Example:
       miserver serve --port 8000 --data-dir ./var
       MISERVER_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1/test miserver serve
+      miserver serve --catalogue models.toml --model smollm2   # an id or alias of the catalogue
+      miserver serve --no-model --upstream vllm=http://127.0.0.1:8001 --upstream b=http://10.0.0.7:8000
     The server is ready when GET /api/health answers 200.
     """
     import logging
@@ -88,9 +131,15 @@ def serve(
         overrides["model"] = model
     if served_model_name:
         overrides["served_model_name"] = served_model_name
+    if catalogue:
+        overrides["catalogue"] = Path(catalogue)
+    if insecure_no_auth:
+        overrides["insecure_no_auth"] = True
+    overrides |= _upstream_overrides(upstream, no_model)
     settings = Settings(**overrides)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_sqlite_free(settings)
+    _check_exposure(settings)
     uvicorn.run(create_asgi(settings), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
 
 
@@ -103,6 +152,7 @@ def serve(
 @click.option("--served-model-name", envvar="MISERVER_SERVED_MODEL_NAME", default=None, help="Id to serve it under.")
 @click.option("--worker-id", default=None, help="Name in row claims (default: worker-<random>).")
 @click.option("--log-level", envvar="MISERVER_LOG_LEVEL", default="info", show_default=True)
+@upstream_options
 def worker(
     database_url: str | None,
     data_dir: str,
@@ -110,6 +160,8 @@ def worker(
     served_model_name: str | None,
     worker_id: str | None,
     log_level: str,
+    upstream: tuple[str, ...],
+    no_model: bool | None,
 ) -> None:
     """Run the batch runner and a resident model without the HTTP API.
 
@@ -120,6 +172,7 @@ def worker(
     \b
     Example:
       MISERVER_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1/miserver miserver worker
+      miserver worker --no-model --upstream vllm=http://10.0.0.5:8000  # rows of upstream models only
     """
     import asyncio
     import logging
@@ -132,6 +185,7 @@ def worker(
     for key, value in (("database_url", database_url), ("model", model), ("served_model_name", served_model_name)):
         if value:
             overrides[key] = value
+    overrides |= _upstream_overrides(upstream, no_model)
     settings = Settings(**overrides)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -149,6 +203,22 @@ def worker(
     try:
         asyncio.run(run())
     except DatabaseInUseError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _check_exposure(settings: Settings) -> None:
+    """Refuse, with one clear line, to serve a non-loopback address with no API key (unless --insecure-no-auth)."""
+    from .services import accounts
+
+    if settings.insecure_no_auth or accounts.is_loopback(settings.host):
+        return
+
+    async def check(store: Any) -> None:
+        await accounts.refuse_open_exposure(store, settings.host, settings.insecure_no_auth)
+
+    try:
+        _on_store(settings.database_url, str(settings.data_dir), check)
+    except accounts.OpenExposureError as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -197,21 +267,64 @@ def db_upgrade(database_url: str | None, data_dir: str) -> None:
 def _client(url: str) -> Any:
     from openai import OpenAI
 
-    return OpenAI(base_url=url.rstrip("/") + "/v1", api_key="miserver", max_retries=2)
+    # a server with API keys needs one: OPENAI_API_KEY, as the OpenAI SDK reads it (any value on a server without)
+    api_key = os.environ.get("OPENAI_API_KEY") or "miserver"
+    return OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=2)
 
 
-@main.command()
+@main.group(invoke_without_command=True)
 @click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True, help="Server base URL.")
+@click.pass_context
 @client_errors
-def models(url: str) -> None:
+def models(ctx: click.Context, url: str) -> None:
     """List the models a running server serves, ids exactly as requests must name them.
 
     \b
     Example:
       miserver models --url http://127.0.0.1:8000
+      miserver models add my-model /models/my-model --alias mine   # add to the catalogue
     """
-    for m in _client(url).models.list():
-        click.echo(m.id)
+    ctx.obj = url
+    if ctx.invoked_subcommand is None:
+        for m in _client(url).models.list():
+            click.echo(m.id)
+
+
+@models.command("add")
+@click.argument("model_id")
+@click.argument("source")
+@click.option("--alias", "aliases", multiple=True, help="A name that resolves to MODEL_ID (any case); repeatable.")
+@click.option("--url", envvar="MISERVER_URL", default=None, help="Server base URL (default: the group's --url).")
+@click.pass_context
+def models_add(ctx: click.Context, model_id: str, source: str, aliases: tuple[str, ...], url: str | None) -> None:
+    """Add a model the server may load: SOURCE is a transformers folder, a .gguf file or the embedded id.
+
+    The entry is kept in the server's database; load it with POST /api/models/load {"model": MODEL_ID}.
+
+    \b
+    Example:
+      miserver models add org/Model-GGUF:Q4_K_M /models/model.Q4_K_M.gguf --alias model
+    """
+    import httpx
+
+    base = (url or ctx.obj or DEFAULT_URL).rstrip("/")
+    body = {"id": model_id, "source": source, "aliases": list(aliases)}
+    try:
+        answer = httpx.post(base + "/api/models", json=body, timeout=60.0)
+    except httpx.HTTPError:
+        raise click.ClickException(
+            f"cannot reach a server at {base} (is `miserver serve` running? see --url)"
+        ) from None
+    if answer.status_code != 200:
+        error = (
+            answer.json().get("error", {})
+            if answer.headers.get("content-type", "").startswith("application/json")
+            else {}
+        )
+        raise click.ClickException(
+            f"{answer.status_code} {error.get('code') or ''}: {error.get('message') or answer.text}"
+        )
+    click.echo(json.dumps(answer.json()))
 
 
 @main.group()
@@ -323,3 +436,184 @@ def batch_run(path: str, endpoint: str, window: str, output: str | None, errors:
 
 if __name__ == "__main__":
     main()
+
+
+# -- accounts (issue 13): keys and usage, straight on the database ---------------------------------------------------
+
+_db_url = click.option(
+    "--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL (the server's)."
+)
+_db_dir = click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+
+
+def _on_store(database_url: str | None, data_dir: str, work: Callable[[Any], Any]) -> Any:
+    """Run ``await work(store)`` on the server's database (migrated first); errors become one-line messages."""
+    import asyncio
+
+    from .errors import APIError
+    from .store import Store
+
+    settings = Settings(data_dir=Path(data_dir), database_url=database_url)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> Any:
+        store = await Store.open(settings.resolved_database_url())
+        try:
+            return await work(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(run())
+    except APIError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+def _money(value: int | None) -> str:
+    return "unlimited" if value is None else f"{value / 1_000_000:.6f}"
+
+
+@main.group()
+def keys() -> None:
+    """API keys: create, list, revoke, top up (on the database directly, so the first admin key can be made
+    before the server starts). Money is in micro-units of the price table's currency (1 unit = 1000000)."""
+
+
+@keys.command("create")
+@click.option("--name", required=True, help="A name to recognise the key by.")
+@click.option("--admin", is_flag=True, help="An admin key (keys, everyone's usage, model life).")
+@click.option("--balance", type=int, default=None, help="Opening balance in micro-units (default: unlimited).")
+@click.option("--max-pending-batches", type=int, default=None, help="Queue quota: batches not yet finished.")
+@click.option("--max-enqueued-tokens", type=int, default=None, help="Queue quota: input tokens in those batches.")
+@_db_url
+@_db_dir
+def keys_create(
+    name: str,
+    admin: bool,
+    balance: int | None,
+    max_pending_batches: int | None,
+    max_enqueued_tokens: int | None,
+    database_url: str | None,
+    data_dir: str,
+) -> None:
+    """Create a key and print it once (only its SHA-256 digest is stored).
+
+    \b
+    Example:
+      miserver keys create --name admin --admin
+      miserver keys create --name team-a --balance 5000000 --max-pending-batches 3
+    """
+    from .services import accounts
+
+    body: dict[str, Any] = {"name": name, "admin": admin, "balance": balance}
+    body.update(max_pending_batches=max_pending_batches, max_enqueued_tokens=max_enqueued_tokens)
+    from .errors import APIError
+
+    try:
+        spec = accounts.KeySpec.parse(body)
+    except APIError as exc:
+        raise click.ClickException(exc.message) from None
+    record, key = _on_store(database_url, data_dir, lambda store: accounts.create_key(store, spec))
+    click.echo(f"{key}")
+    click.echo(f"id {record.id}  name {record.name}  admin {record.admin}  balance {_money(record.balance)}", err=True)
+    click.echo("Keep the key now: it is not stored and cannot be shown again.", err=True)
+
+
+@keys.command("list")
+@_db_url
+@_db_dir
+def keys_list(database_url: str | None, data_dir: str) -> None:
+    """List the keys (prefix, name, admin, balance, quotas, revoked), never the keys themselves.
+
+    \b
+    Example:
+      miserver keys list
+    """
+    from .services import accounts
+
+    records = _on_store(database_url, data_dir, accounts.list_keys)
+    click.echo(f"{'id':<30} {'prefix':<12} {'name':<20} {'admin':<6} {'balance':>16} {'quotas':<20} revoked")
+    for r in records:
+        quotas = f"{r.max_pending_batches or '-'}b/{r.max_enqueued_tokens or '-'}t"
+        revoked = str(r.revoked_at) if r.revoked_at else "-"
+        click.echo(
+            f"{r.id:<30} {r.prefix:<12} {r.name[:20]:<20} {str(r.admin):<6} {_money(r.balance):>16} {quotas:<20} "
+            f"{revoked}"
+        )
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@_db_url
+@_db_dir
+def keys_revoke(key_id: str, database_url: str | None, data_dir: str) -> None:
+    """Revoke a key: its requests get 401 and its running batches end failed (key_revoked).
+
+    \b
+    Example:
+      miserver keys revoke key_0192f3a4b5c6d7e8f9a0b1c2
+    """
+    from .services import accounts
+
+    record = _on_store(database_url, data_dir, lambda store: accounts.revoke_key(store, key_id))
+    click.echo(f"revoked {record.id} ({record.name})")
+
+
+@keys.command("top-up")
+@click.argument("key_id")
+@click.argument("amount", type=int)
+@_db_url
+@_db_dir
+def keys_top_up(key_id: str, amount: int, database_url: str | None, data_dir: str) -> None:
+    """Add AMOUNT micro-units to a key's balance (a credit line in the ledger).
+
+    \b
+    Example:
+      miserver keys top-up key_0192f3a4b5c6d7e8f9a0b1c2 1000000
+    """
+    from .services import accounts
+
+    record = _on_store(database_url, data_dir, lambda store: accounts.top_up(store, key_id, amount))
+    click.echo(f"{record.id} balance {_money(record.balance)}")
+
+
+@main.command()
+@click.option("--group-by", type=click.Choice(["day", "model", "key"]), default="day", show_default=True)
+@click.option("--start", default=None, help="First day, YYYY-MM-DD (UTC).")
+@click.option("--end", default=None, help="Last day, YYYY-MM-DD (UTC).")
+@click.option("--key", "key_id", default=None, help="Only this key id.")
+@click.option("--model", default=None, help="Only this model.")
+@click.option("--kind", type=click.Choice(["realtime", "batch"]), default=None)
+@_db_url
+@_db_dir
+def usage(
+    group_by: str,
+    start: str | None,
+    end: str | None,
+    key_id: str | None,
+    model: str | None,
+    kind: str | None,
+    database_url: str | None,
+    data_dir: str,
+) -> None:
+    """Print the usage table (requests, tokens, cost) from the database's usage records.
+
+    \b
+    Example:
+      miserver usage --group-by model --start 2026-12-01
+    """
+    from .services import billing
+
+    async def work(store: Any) -> Any:
+        return await billing.usage_rollup(
+            store, group_by=group_by, start=start, end=end, key=key_id, model=model, kind=kind, currency=""
+        )
+
+    answer = _on_store(database_url, data_dir, work)
+    label = "key_id" if group_by == "key" else group_by
+    click.echo(f"{label:<40} {'requests':>9} {'input':>12} {'output':>12} {'cost':>16}")
+    for row in answer["data"]:
+        click.echo(
+            f"{str(row[label])[:40]:<40} {row['requests']:>9} {row['input_tokens']:>12} {row['output_tokens']:>12} "
+            f"{_money(row['cost']):>16}"
+        )

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..engines.adapter import generation_request
 from ..engines.base import Engine, GenerationRequest, GenerationResult, ScoreRequest, ScoreResult, TokenLogprob
+from ..engines.upstream import UpstreamPool
 from ..errors import InvalidRequestError, MissingParameterError
 from ..ids import now, random_id
 from ..protocol.chat import (
@@ -22,6 +24,7 @@ from ..protocol.chat import (
     ChunkDelta,
 )
 from ..protocol.common import ChatTokenLogprob, TopLogprob, Usage, carried_fields, parse_request
+from . import gateway
 from .common import (
     check_context,
     check_max_tokens,
@@ -52,11 +55,27 @@ UNSUPPORTED_FIELDS = (
 )
 
 
-def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine]:
+def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine | UpstreamPool]:
+    """Parse and check a request body without running it (batch validation calls this): :func:`check_local`, or,
+    for a model served by an upstream pool, :func:`parse` and the upstream context check (returns the pool)."""
+    return gateway.route_check(ctx, body, strict, parse, check_local)
+
+
+def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine]:
     """Parse and check a request body without running it (batch validation calls this too).
 
     Raises :class:`~miserver.errors.APIError`: 400 for schema, unknown (strict) and unsupported fields,
     404 ``model_not_found``.
+    """
+    req = parse(body, strict=strict)
+    engine = ctx.resolve_model(req.model)
+    return req, engine
+
+
+def parse(body: Any, *, strict: bool) -> ChatCompletionRequest:
+    """The checks of a body that need no model (an upstream model's request gets these, then goes upstream).
+
+    Raises :class:`~miserver.errors.APIError` (400) as :func:`check` does.
     """
     req = parse_request(ChatCompletionRequest, body, strict=strict)
     refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
@@ -71,8 +90,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompleti
             raise MissingParameterError(
                 f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content"
             )
-    engine = ctx.resolve_model(req.model)
-    return req, engine
+    return req
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -105,7 +123,7 @@ class _Prepared:
 
 def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
     """Check, tokenise, check the context length and pick the seed (raises :class:`~miserver.errors.APIError`)."""
-    req, engine = check(ctx, body, strict=call.strict)
+    req, engine = check_local(ctx, body, strict=call.strict)
     prompt = engine.tokenize_chat(_messages(req))
     room = engine.info.context_length - len(prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(room, 1)
@@ -149,8 +167,12 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     """Run a chat completion. Returns a :class:`ServiceResult`, or a :class:`StreamResult` when ``stream`` is true.
 
     A scoring-mode request (one token) runs as one scoring pass (``Engine.score``), which chooses its token exactly
-    as generation does; any other through ``Engine.generate``.
+    as generation does; any other through ``Engine.generate``. A model served by an upstream pool goes there
+    (:func:`~miserver.services.gateway.create`).
     """
+    pool = gateway.target(ctx, body)
+    if pool is not None:
+        return await gateway.create(ctx, pool, "/v1/chat/completions", parse(body, strict=call.strict), body, call)
     p = _prepare(ctx, body, call)
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
@@ -196,7 +218,7 @@ def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan |
     """Many rows at once (the batch runner's one call): with ``plan`` None each row as :func:`create` computes it;
     with a planner (``pack: true``) scoring rows in the packs it makes (``Engine.score_many``), other rows one at a
     time. Yields every row at most once (see :func:`~miserver.services.many.run_many`)."""
-    return run_many(PACKING, ctx, bodies, call, plan)
+    return gateway.create_many(ctx, "/v1/chat/completions", parse, partial(run_many, PACKING), bodies, call, plan)
 
 
 async def _stream(

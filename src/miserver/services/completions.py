@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from ..engines.adapter import generation_request
 from ..engines.base import Engine, GenerationRequest, ScoreRequest, ScoreResult, Sequence_, TokenLogprob
+from ..engines.upstream import UpstreamPool
 from ..errors import InvalidRequestError, UnsupportedParameterError
 from ..ids import now, random_id
 from ..protocol.common import Usage, carried_fields, parse_request
 from ..protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from . import gateway
 from .common import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
@@ -26,10 +29,26 @@ UNSUPPORTED_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "be
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
 
 
-def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRequest, Engine]:
+def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRequest, Engine | UpstreamPool]:
+    """Parse and check a request body without running it (batch validation calls this): :func:`check_local`, or,
+    for a model served by an upstream pool, :func:`parse` and the upstream context check (returns the pool)."""
+    return gateway.route_check(ctx, body, strict, parse, check_local)
+
+
+def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRequest, Engine]:
     """Parse and check a request body without running it (batch validation calls this too).
 
     Raises :class:`~miserver.errors.APIError` (400 schema/unknown/unsupported, 404 ``model_not_found``).
+    """
+    req = parse(body, strict=strict)
+    engine = ctx.resolve_model(req.model)
+    return req, engine
+
+
+def parse(body: Any, *, strict: bool) -> CompletionRequest:
+    """The checks of a body that need no model (an upstream model's request gets these, then goes upstream).
+
+    Raises :class:`~miserver.errors.APIError` (400) as :func:`check` does.
     """
     req = parse_request(CompletionRequest, body, strict=strict)
     refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
@@ -39,8 +58,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRe
     check_stream_options(req.stream, req.stream_options)
     if isinstance(req.prompt, list) and len(req.prompt) == 0:
         raise InvalidRequestError("Invalid 'prompt': it must not be empty.", param="prompt")
-    engine = ctx.resolve_model(req.model)
-    return req, engine
+    return req
 
 
 def _prompts(engine: Engine, req: CompletionRequest) -> list[list[int]]:
@@ -85,7 +103,7 @@ class _Prepared:
 
 def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
     """Check, tokenise, check the context length and pick the seed (raises :class:`~miserver.errors.APIError`)."""
-    req, engine = check(ctx, body, strict=call.strict)
+    req, engine = check_local(ctx, body, strict=call.strict)
     prompts = _prompts(engine, req)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     prompt_k = req.logprobs if req.echo else None
@@ -193,7 +211,11 @@ def _build(p: _Prepared, results: list[ScoreResult]) -> ServiceResult:
 
 
 async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
-    """Run a text completion over every prompt of the request (choices indexed prompt-major, then ``n``)."""
+    """Run a text completion over every prompt of the request (choices indexed prompt-major, then ``n``); a model
+    served by an upstream pool goes there (:func:`~miserver.services.gateway.create`)."""
+    pool = gateway.target(ctx, body)
+    if pool is not None:
+        return await gateway.create(ctx, pool, "/v1/completions", parse(body, strict=call.strict), body, call)
     p = _prepare(ctx, body, call)
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
@@ -221,7 +243,7 @@ PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
 def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
     """Many rows at once (a ``pack: true`` batch): every prompt of every scoring-mode row in the packs ``plan``
     makes (``Engine.score_many``); other rows one at a time through :func:`create`. Yields every row once."""
-    return run_many(PACKING, ctx, bodies, call, plan)
+    return gateway.create_many(ctx, "/v1/completions", parse, partial(run_many, PACKING), bodies, call, plan)
 
 
 async def _stream(ctx: ServiceContext, p: _Prepared, call: Call, include_usage: bool) -> AsyncIterator[str]:

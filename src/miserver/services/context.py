@@ -9,13 +9,17 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engines.base import Engine
-from ..errors import EngineUnavailableError, ModelNotFoundError
+from ..engines.upstream import Gateway, UpstreamPool
+from ..errors import ConflictError, EngineUnavailableError, ModelNotFoundError
 from ..leases import LeaseManager
 from ..scheduler import AdmissionGate, Priority, Slot
 from ..store import Store
+
+if TYPE_CHECKING:
+    from .billing import PriceTable
 
 
 @dataclass
@@ -50,6 +54,8 @@ class Call:
     slot: Slot | None = None
     lease: str | None = None
     should_stop: Callable[[], bool] | None = None
+    #: Unix seconds after which a batch row is no longer sent (the batch's ``expires_at``); None for a request
+    deadline: float | None = None
 
     def stopped(self) -> bool:
         return self.should_stop is not None and self.should_stop()
@@ -58,7 +64,13 @@ class Call:
 @dataclass
 class ServiceContext:
     """The resident engine (None while no model is resident or one is loading), its gate, its lease, the
-    server's seed source, and the store (services that keep objects, such as probes, read it)."""
+    server's seed source, and the store (services that keep objects, such as probes, read it).
+
+    Model life (``services/weights.py``, ``services/checkpoints.py``, ``services/catalogue.py``): ``weights_torn``
+    is true while the resident weights are mid-write (or were left so by a crash); ``resident_origin`` is the
+    catalogue id whose weights a checkpoint save or load renamed into the resident id; ``checkpoint_ids`` are the
+    saved checkpoints; ``aliases`` maps a lower-cased alias to the catalogue id it names.
+    """
 
     engine: Engine | None
     gate: AdmissionGate
@@ -66,6 +78,24 @@ class ServiceContext:
     leases: LeaseManager = field(default_factory=LeaseManager)
     loading: bool = False
     store: Store | None = None
+    #: the upstream engines and their pools in gateway mode (None: no upstream is configured)
+    gateway: Gateway | None = None
+    #: the price table (``services/billing.py``; None: everything free)
+    prices: PriceTable | None = None
+    weights_torn: bool = False
+    resident_origin: str | None = None
+    checkpoint_ids: set[str] = field(default_factory=set)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def refuse_if_torn(self) -> None:
+        """409 ``weights_torn`` while the resident weights are mid-write (the gate's admission check)."""
+        if self.weights_torn and self.engine is not None:
+            raise ConflictError(
+                f"The weights of '{self.engine.info.model_id}' are torn: a weight write began and has not been "
+                "committed or aborted. Retry after POST /api/weights/commit (or a load of the model).",
+                param="model",
+                code="weights_torn",
+            )
 
     def require_store(self) -> Store:
         """The store; ``RuntimeError`` when the context was built without one (a programming error)."""
@@ -83,17 +113,45 @@ class ServiceContext:
         """Model ids exactly as requests must name them (``GET /v1/models``)."""
         return [self.engine.info.model_id] if self.engine is not None else []
 
+    def upstream_pool(self, name: object) -> UpstreamPool | None:
+        """The upstream pool serving the model ``name`` when it is not the resident model (the resident model wins
+        a name both serve); None when no upstream ever listed it or ``name`` is not a string."""
+        if self.gateway is None or not isinstance(name, str):
+            return None
+        if self.engine is not None and self.engine.info.model_id == name:
+            return None
+        return self.gateway.pool(name)
+
     def resolve_model(self, name: str) -> Engine:
-        """The engine serving ``name`` (exact, case-sensitive match).
+        """The engine serving ``name``: the exact id (case-sensitive), or a catalogue alias of it (case-insensitive).
 
         Raises :class:`ModelNotFoundError` (404 ``model_not_found``); when ``name`` is a prefix of a served id up to
-        a ``:`` tag (a quantization repository named without its tag), the message names the exact id to send.
+        a ``:`` tag (a quantization repository named without its tag), the message names the exact id to send; when
+        it is the catalogue id whose weights a checkpoint save or load renamed, the message names the resident id;
+        when it is a checkpoint that is not resident, the message says to load it first.
         """
         if self.loading:
             raise EngineUnavailableError("A model is being loaded; retry in a moment.")
         served = self.served_models()
         if name in served and self.engine is not None:
             return self.engine
+        aliased = self.aliases.get(name.lower())
+        if aliased is not None and aliased in served and self.engine is not None:
+            return self.engine
+        target = aliased or name
+        if self.engine is not None and self.resident_origin is not None and target == self.resident_origin:
+            resident = self.engine.info.model_id
+            raise ModelNotFoundError(
+                f"The model '{name}' is not resident: its resident weights were renamed to '{resident}' by a "
+                f"checkpoint save or load. Send '{resident}' (as GET /v1/models lists it), or load '{name}' again.",
+                param="model",
+            )
+        if name in self.checkpoint_ids:
+            raise ModelNotFoundError(
+                f"Checkpoint '{name}' is not resident; load it first (POST /api/models/load with "
+                f'{{"model": "{name}"}}).',
+                param="model",
+            )
         tagged = [m for m in served if m.startswith(name + ":")]
         if tagged:
             raise ModelNotFoundError(

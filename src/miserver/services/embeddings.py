@@ -12,32 +12,36 @@ from __future__ import annotations
 import base64
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from ..engines.base import Engine, PoolRequest, Vector
+from ..engines.upstream import UpstreamPool
 from ..errors import InvalidRequestError, UnsupportedParameterError
 from ..protocol.common import parse_request
 from ..protocol.embeddings import MAX_INPUTS, CreateEmbeddingResponse, Embedding, EmbeddingRequest, EmbeddingUsage
+from . import gateway
 from .common import check_context
-from .context import Call, ServiceContext, ServiceResult, provenance_headers
+from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
 
 
-def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[EmbeddingRequest, Engine]:
+def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[EmbeddingRequest, Engine | UpstreamPool]:
+    """Parse and check a request body without running it (batch validation calls this): :func:`check_local`, or,
+    for a model served by an upstream pool, :func:`parse` and the upstream context check (returns the pool)."""
+    return gateway.route_check(ctx, body, strict, parse, check_local)
+
+
+def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[EmbeddingRequest, Engine]:
     """Parse and check a request body without running it (batch validation calls this too).
 
     Raises 400 for schema, unknown (strict) fields, an empty input list, more than 2048 inputs, and ``dimensions``
     other than the model's hidden size (``unsupported_parameter``: vectors are never truncated); 404
     ``model_not_found``.
     """
-    req = parse_request(EmbeddingRequest, body, strict=strict)
-    if isinstance(req.input, list):
-        if not req.input:
-            raise InvalidRequestError("Invalid 'input': it must not be empty.", param="input")
-        if len(req.input) > MAX_INPUTS and not all(isinstance(x, int) for x in req.input):
-            raise InvalidRequestError(f"Invalid 'input': at most {MAX_INPUTS} inputs per request.", param="input")
+    req = parse(body, strict=strict)
     engine = ctx.resolve_model(req.model)
     hidden = engine.info.hidden_size
     if req.dimensions is not None and req.dimensions != hidden:
@@ -48,6 +52,18 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[EmbeddingReq
             param="dimensions",
         )
     return req, engine
+
+
+def parse(body: Any, *, strict: bool) -> EmbeddingRequest:
+    """The checks of a body that need no model (an upstream model's request gets these, then goes upstream; the
+    ``dimensions`` check needs the model and stays in :func:`check`). Raises 400 as :func:`check` does."""
+    req = parse_request(EmbeddingRequest, body, strict=strict)
+    if isinstance(req.input, list):
+        if not req.input:
+            raise InvalidRequestError("Invalid 'input': it must not be empty.", param="input")
+        if len(req.input) > MAX_INPUTS and not all(isinstance(x, int) for x in req.input):
+            raise InvalidRequestError(f"Invalid 'input': at most {MAX_INPUTS} inputs per request.", param="input")
+    return req
 
 
 def _inputs(engine: Engine, req: EmbeddingRequest) -> list[list[int]]:
@@ -85,7 +101,7 @@ class _Prepared:
 
 def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
     """Check and tokenise; an input longer than the context is 400 ``context_length_exceeded``."""
-    req, engine = check(ctx, body, strict=call.strict)
+    req, engine = check_local(ctx, body, strict=call.strict)
     inputs = _inputs(engine, req)
     for ids in inputs:
         check_context(len(ids), 0, engine.info.context_length, param="input")
@@ -113,8 +129,12 @@ def _build(p: _Prepared, vectors: list[Vector]) -> ServiceResult:
     return ServiceResult(200, response.model_dump(), p.headers, tokens, 0)
 
 
-async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult:
-    """Embed every input of the request, each alone."""
+async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
+    """Embed every input of the request, each alone; a model served by an upstream pool goes there
+    (:func:`~miserver.services.gateway.create`, never a stream: an embedding request has no ``stream``)."""
+    pool = gateway.target(ctx, body)
+    if pool is not None:
+        return await gateway.create(ctx, pool, "/v1/embeddings", parse(body, strict=call.strict), body, call)
     return await _execute(ctx, _prepare(ctx, body, call), call)
 
 
@@ -138,4 +158,4 @@ PACKING: Packing[_Prepared, PoolRequest, Vector] = Packing(
 def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
     """Many rows at once (a ``pack: true`` batch): every input of every row in the packs ``plan`` makes
     (``Engine.embed_many``). A row refused at checking fails alone. Yields every row once."""
-    return run_many(PACKING, ctx, bodies, call, plan)
+    return gateway.create_many(ctx, "/v1/embeddings", parse, partial(run_many, PACKING), bodies, call, plan)

@@ -1,0 +1,347 @@
+"""Pools of upstreams, the gateway that keeps them, and the one retry loop (DESIGN §8, issue 12).
+
+Upstreams that list the same model id form that model's :class:`UpstreamPool`. A pool has its own admission gate
+(:class:`PoolGate`: one slot per ``max_in_flight`` place of its members, interactive requests first), so the backlog
+of a batch stays in miServer's durable queue, never in an upstream's memory. :func:`send` is the only retry loop:
+connect errors, timeouts and the statuses of :data:`~.errors.RETRYABLE_STATUSES` are retried with jittered
+exponential backoff (at least the ``Retry-After`` the upstream asked for), on another live upstream of the pool when
+there is one, until the attempts or the caller's deadline run out. :class:`Gateway` discovers the upstreams at start,
+probes them every ``health_seconds`` (discovery refresh and liveness in one request) and rebuilds the pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ...errors import APIError, UpstreamTimeoutError, UpstreamUnavailableError
+from ...scheduler import AdmissionGate
+from ..base import EngineInfo
+from .client import Upstream
+from .config import Timeouts, UpstreamConfig
+from .errors import RETRYABLE_STATUSES
+
+log = logging.getLogger("miserver.upstream")
+
+#: Longest ``Retry-After`` honoured, in seconds (a longer one is cut to this).
+MAX_RETRY_AFTER = 60.0
+
+
+class PoolGate(AdmissionGate):
+    """An admission gate whose slots grow when an upstream joins the pool (its ``max_in_flight`` places)."""
+
+    def add_slots(self, count: int) -> None:
+        """``count`` more slots, handed at once to waiters (interactive first)."""
+        self.slots += count
+        for _ in range(count):
+            self._release()
+
+
+@dataclass
+class UpstreamPool:
+    """The upstreams serving ``model``. ``info`` is what a resident engine's info is to a resident row: the model id
+    requests name, ``backend`` ``upstream:<names>``, the context length (0 when no member says it)."""
+
+    model: str
+    members: list[Upstream] = field(default_factory=list)
+    gate: PoolGate = field(default_factory=lambda: PoolGate(1))
+    _sized: bool = False
+
+    @property
+    def info(self) -> EngineInfo:
+        lengths = [m.context_length for u in self.members for m in u.models if m.id == self.model and m.context_length]
+        names = ",".join(u.name for u in self.members)
+        return EngineInfo(
+            model_id=self.model,
+            backend=f"upstream:{names}",
+            dtype="",
+            weights_revision="",
+            context_length=min(lengths) if lengths else 0,
+        )
+
+    @property
+    def live(self) -> bool:
+        """Whether a member is live now."""
+        return any(u.live for u in self.members)
+
+    def join(self, upstream: Upstream) -> None:
+        """Add ``upstream`` (once) and its places to the gate."""
+        if upstream in self.members:
+            return
+        self.members.append(upstream)
+        if not self._sized:  # the gate was made with one slot before any member was known
+            self._sized = True
+            self.gate.add_slots(upstream.config.max_in_flight - 1)
+        else:
+            self.gate.add_slots(upstream.config.max_in_flight)
+
+    def pick(self, avoid: Upstream | None = None) -> Upstream | None:
+        """The live member with the most free places (not ``avoid``, the one that just failed, while another is
+        live); None when no member is live."""
+        live = [u for u in self.members if u.live]
+        others = [u for u in live if u is not avoid] or live
+        if not others:
+            return None
+        return max(others, key=lambda u: (u.config.max_in_flight - u.in_flight) / u.config.max_in_flight)
+
+
+@dataclass
+class Answer:
+    """An upstream's complete answer (any status). ``response`` is set, with its body unread, for a stream that
+    answered 200: the caller reads it, then calls :meth:`close`."""
+
+    upstream: Upstream
+    status: int
+    content: bytes
+    headers: httpx.Headers
+    response: httpx.Response | None = None
+
+    async def close(self) -> None:
+        """Close a stream's response and give its place on the upstream back (once)."""
+        if self.response is not None:
+            response, self.response = self.response, None
+            try:
+                await response.aclose()
+            finally:
+                self.upstream.release()
+
+
+class Deferred(Exception):
+    """The row was not sent to completion and is not the row's fault: the deadline (a batch's ``expires_at``) came,
+    or the caller stopped. A batch leaves the row unrun."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``max_attempts`` per request; backoff ``base * 2**n`` seconds capped at ``cap``, jittered to 50-100%."""
+
+    max_attempts: int = 8
+    base: float = 0.5
+    cap: float = 30.0
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds to wait after attempt number ``attempt`` (0-based) failed; at least ``retry_after``."""
+        backoff: float = min(self.cap, self.base * 2.0**attempt) * random.uniform(0.5, 1.0)
+        return max(backoff, min(retry_after or 0.0, MAX_RETRY_AFTER))
+
+
+def retry_after(headers: httpx.Headers) -> float | None:
+    """Seconds asked by ``Retry-After`` (a number, or an HTTP date); None when absent or unreadable."""
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        seconds: float = max(0.0, float(value))
+        return seconds
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+async def _attempt(upstream: Upstream, path: str, payload: bytes, request_id: str, stream: bool) -> Answer:
+    """One attempt on ``upstream`` under its timeouts; holds one of its places (kept for an open stream)."""
+    timeouts = upstream.timeouts
+    await upstream.acquire()
+    keep = False
+    try:
+        headers = {**upstream.headers(request_id), "Content-Type": "application/json"}
+        request = upstream.client.build_request("POST", path, content=payload, headers=headers)
+        async with asyncio.timeout(timeouts.total):
+            response = await asyncio.wait_for(upstream.client.send(request, stream=True), timeouts.first_byte)
+            if stream and response.status_code == 200:
+                keep = True
+                return Answer(upstream, 200, b"", response.headers, response)
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+        return Answer(upstream, response.status_code, content, response.headers)
+    finally:
+        if not keep:
+            upstream.release()
+
+
+async def send(
+    pool: UpstreamPool,
+    path: str,
+    body: Any,
+    *,
+    request_id: str,
+    policy: RetryPolicy,
+    deadline: float,
+    defer_at_deadline: bool,
+    stream: bool = False,
+    stopped: Callable[[], bool] = lambda: False,
+) -> Answer:
+    """POST ``body`` (JSON) to ``path`` (under ``/v1``) on the pool, retrying as the module says.
+
+    ``deadline`` is a ``time.monotonic()`` instant: no attempt or backoff starts that would reach past it. Returns
+    the first answer that is not retried (a success, or a 4xx that is the request's own), or the last retryable
+    answer once attempts run out. Raises :class:`~miserver.errors.UpstreamUnavailableError` when no member is live
+    (at the start, or after the live ones failed), :class:`Deferred` when the deadline comes with
+    ``defer_at_deadline`` or when ``stopped()`` answers true, and, at the deadline or after the last attempt,
+    :class:`~miserver.errors.UpstreamTimeoutError` (504) when the last attempt timed out or
+    :class:`~miserver.errors.UpstreamUnavailableError` when it could not reach the upstream.
+    """
+    payload = json.dumps(body, ensure_ascii=False).encode()
+    avoid: Upstream | None = None
+    last: Answer | APIError | None = None
+    for attempt in range(policy.max_attempts):
+        if stopped():
+            raise Deferred("stopped")
+        upstream = pool.pick(avoid)
+        if upstream is None:
+            raise UpstreamUnavailableError(
+                f"No upstream serving '{pool.model}' is reachable now "
+                f"({', '.join(f'{u.name}: {u.last_error}' for u in pool.members) or 'none known'}); retry later."
+            )
+        wait: float | None = None
+        try:
+            answer = await _attempt(upstream, path, payload, request_id, stream)
+        except (httpx.TimeoutException, TimeoutError):
+            last = UpstreamTimeoutError(
+                f"The upstream '{upstream.name}' did not answer within its timeouts "
+                f"(first byte {upstream.timeouts.first_byte:g} s, idle {upstream.timeouts.idle:g} s, "
+                f"total {upstream.timeouts.total:g} s)."
+            )
+        except httpx.TransportError as exc:
+            upstream.mark_down(f"{type(exc).__name__}: {exc}")
+            last = UpstreamUnavailableError(f"The upstream '{upstream.name}' could not be reached: {exc!r}.")
+        else:
+            if answer.status not in RETRYABLE_STATUSES:
+                return answer
+            last = answer
+            wait = retry_after(answer.headers)
+            log.info("upstream %s answered %d; retrying", upstream.name, answer.status)
+        avoid = upstream
+        if attempt + 1 >= policy.max_attempts:
+            break
+        delay = policy.delay(attempt, wait)
+        if time.monotonic() + delay >= deadline:
+            if defer_at_deadline:
+                raise Deferred("deadline")
+            break
+        await asyncio.sleep(delay)
+    if isinstance(last, Answer):
+        return last
+    assert last is not None
+    raise last
+
+
+class Gateway:
+    """Every configured upstream and the pools they form, kept fresh by a probe every ``health_seconds``.
+
+    ``start()`` probes every upstream once (an unreachable one is a one-line warning; it stays down and is probed
+    again), then keeps probing in a background task until ``close()``.
+    """
+
+    def __init__(
+        self,
+        configs: Sequence[UpstreamConfig],
+        timeouts: Timeouts,
+        policy: RetryPolicy,
+        *,
+        health_seconds: float = 5.0,
+    ) -> None:
+        self.upstreams = [Upstream(c, timeouts) for c in configs]
+        self.timeouts = timeouts
+        self.policy = policy
+        self.health_seconds = health_seconds
+        self.pools: dict[str, UpstreamPool] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Probe every upstream once and start the periodic probe."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._probe_forever(), name="miserver-upstream-health")
+
+    async def refresh(self) -> None:
+        """Probe every upstream now (concurrently) and add what they serve to the pools."""
+        await asyncio.gather(*(u.probe() for u in self.upstreams))
+        for upstream in self.upstreams:
+            for model in upstream.models:
+                self.pools.setdefault(model.id, UpstreamPool(model.id)).join(upstream)
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_seconds)
+            try:
+                await self.refresh()
+            except Exception:  # a probe never raises; this keeps the loop alive whatever happens
+                log.exception("upstream probe failed")
+
+    def pool(self, model: str) -> UpstreamPool | None:
+        """The pool of ``model`` (kept while its members are down: its rows wait), or None when no upstream ever
+        listed it."""
+        return self.pools.get(model)
+
+    @property
+    def all_live(self) -> bool:
+        """Whether every configured upstream answered its last probe."""
+        return all(u.live for u in self.upstreams)
+
+    def models(self) -> list[UpstreamPool]:
+        """The pools, by model id."""
+        return [self.pools[m] for m in sorted(self.pools)]
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per upstream: name, URL, live, models, requests in flight, last error (``/api/health/detailed``)."""
+        return [
+            {
+                "name": u.name,
+                "url": u.config.base_url,
+                "live": u.live,
+                "models": [m.id for m in u.models],
+                "in_flight": u.in_flight,
+                "max_in_flight": u.config.max_in_flight,
+                "last_error": u.last_error,
+            }
+            for u in self.upstreams
+        ]
+
+    async def close(self) -> None:
+        """Stop probing and close every client."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(u.close() for u in self.upstreams))
+
+
+async def start_gateway(
+    entries: Sequence[str],
+    timeouts: Timeouts,
+    policy: RetryPolicy,
+    *,
+    default_max_in_flight: int,
+    health_seconds: float,
+) -> Gateway | None:
+    """The gateway of the upstream ``entries`` (``--upstream`` values), started; None when there are none.
+
+    A malformed entry is a one-line warning and is left out; an unreachable upstream is a one-line warning and
+    stays down until a probe answers. Neither stops the server.
+    """
+    from .config import parse_upstreams
+
+    configs, problems = parse_upstreams(entries, default_max_in_flight)
+    for problem in problems:
+        log.warning("%s; starting without it", problem)
+    if not configs:
+        return None
+    gateway = Gateway(configs, timeouts, policy, health_seconds=health_seconds)
+    await gateway.start()
+    return gateway
