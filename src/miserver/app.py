@@ -26,6 +26,7 @@ from .api import models as models_api
 from .api import probes as probes_api
 from .api import responses as responses_api
 from .api.common import AppState
+from .api.openapi import install_openapi
 from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
 from .events import ProgressEvents
 from .ids import now, random_id
@@ -125,7 +126,14 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             await events.stop()
             await runtime.close()
 
-    app = FastAPI(title="miServer", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    app = FastAPI(
+        title="miServer",
+        version="0.1.0",
+        lifespan=lifespan,
+        redirect_slashes=False,
+        docs_url=None,  # the offline /docs of install_openapi replaces FastAPI's CDN page
+        redoc_url=None,  # ReDoc loads its script and fonts from a CDN: turned off
+    )
     app.add_middleware(ServerErrors)  # innermost: the 500 still gets x-request-id
     # gzip for clients that ask (Accept-Encoding); Server-Sent Events are never compressed
     app.add_middleware(GZipMiddleware, minimum_size=1024)
@@ -167,6 +175,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(probes_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
+    install_openapi(app)  # /openapi.json (built at its first request, from every route) and the offline /docs
     app.state.events = events
     return app
 

@@ -13,10 +13,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..protocol.anthropic import (
+    DeletedMessageBatch,
+    Message,
+    MessageBatch,
+    MessageBatchCreateRequest,
+    MessageBatchList,
+    MessagesRequest,
+)
 from ..services import message_batches
 from ..services.context import Call, StreamResult
 from ..services.registry import SERVICES
 from .common import json_body, state, strict_mode
+from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
 
@@ -25,6 +34,9 @@ BATCHES = "/anthropic/v1/messages/batches"
 
 
 @router.post(MESSAGES)
+@documented(
+    body=MessagesRequest, ok=Message, stream=True, errors=(400, 404, 409, 500, 529), headers=("strict", "lease")
+)
 async def create_message(request: Request) -> Response:
     """A Message, or its Server-Sent Events when ``stream`` is true."""
     body = await json_body(request)
@@ -46,6 +58,7 @@ async def create_message(request: Request) -> Response:
 
 
 @router.post(BATCHES)
+@documented(body=MessageBatchCreateRequest, ok=MessageBatch, errors=(400, 409, 413, 500), headers=("strict", "lease"))
 async def create_message_batch(request: Request) -> dict[str, Any]:
     """A new Message Batch (``in_progress``) over the inline ``requests``."""
     st = state(request)
@@ -64,6 +77,7 @@ async def create_message_batch(request: Request) -> dict[str, Any]:
 
 
 @router.get(BATCHES)
+@documented(ok=MessageBatchList)
 async def list_message_batches(
     request: Request, limit: int = 20, after_id: str | None = None, before_id: str | None = None
 ) -> dict[str, Any]:
@@ -74,12 +88,14 @@ async def list_message_batches(
 
 
 @router.get(BATCHES + "/{message_batch_id}")
+@documented(ok=MessageBatch, errors=LOOKUP_ERRORS)
 async def retrieve_message_batch(message_batch_id: str, request: Request) -> dict[str, Any]:
     """The Message Batch."""
     return await message_batches.retrieve(state(request).store, message_batch_id, base_url=str(request.base_url))
 
 
 @router.post(BATCHES + "/{message_batch_id}/cancel")
+@documented(ok=MessageBatch, errors=CHANGE_ERRORS)
 async def cancel_message_batch(message_batch_id: str, request: Request) -> dict[str, Any]:
     """The Message Batch, now ``canceling``."""
     st = state(request)
@@ -89,12 +105,14 @@ async def cancel_message_batch(message_batch_id: str, request: Request) -> dict[
 
 
 @router.delete(BATCHES + "/{message_batch_id}")
+@documented(ok=DeletedMessageBatch, errors=CHANGE_ERRORS)
 async def delete_message_batch(message_batch_id: str, request: Request) -> dict[str, Any]:
     """``{id, type: "message_batch_deleted"}`` for an ended batch."""
     return await message_batches.delete(state(request).store, message_batch_id)
 
 
 @router.get(BATCHES + "/{message_batch_id}/results")
+@documented(ok_media="application/x-jsonl", errors=CHANGE_ERRORS)
 async def message_batch_results(message_batch_id: str, request: Request) -> StreamingResponse:
     """The results as JSON Lines, streamed."""
     lines = await message_batches.results(state(request).store, message_batch_id)

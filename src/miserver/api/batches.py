@@ -6,9 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ..protocol.batches import Batch, BatchCreateRequest, BatchList
 from ..services import batches as service
 from ..services.batches import batch_object
 from .common import list_object, state, strict_mode
+from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 __all__ = ["batch_object", "router"]
 
@@ -16,6 +18,7 @@ router = APIRouter()
 
 
 @router.post("/v1/batches")
+@documented(body=BatchCreateRequest, ok=Batch, errors=(400, 404, 409, 500), headers=("strict", "lease", "idempotency"))
 async def create_batch(request: Request) -> dict[str, Any]:
     """The new Batch in ``validating`` (or the first answer again for a retry under the same Idempotency-Key)."""
     st = state(request)
@@ -36,6 +39,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/batches")
+@documented(ok=BatchList)
 async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict[str, Any]:
     """The list envelope of Batch objects, newest first."""
     data, has_more = await service.list_batches(state(request).store, limit=limit, after=after)
@@ -43,12 +47,14 @@ async def list_batches(request: Request, limit: int = 20, after: str | None = No
 
 
 @router.get("/v1/batches/{batch_id}")
+@documented(ok=Batch, errors=LOOKUP_ERRORS)
 async def retrieve_batch(batch_id: str, request: Request) -> dict[str, Any]:
     """The Batch object."""
     return await service.retrieve_batch(state(request).store, batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
+@documented(ok=Batch, errors=CHANGE_ERRORS)
 async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
     """The batch, now ``cancelling`` (unchanged when already cancelling or cancelled); 409 once it has ended."""
     st = state(request)

@@ -5,14 +5,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ..protocol.embeddings import CreateEmbeddingResponse, EmbeddingRequest
 from ..services.context import Call
 from ..services.registry import SERVICES
 from .common import json_body, state, strict_mode, to_response
+from .openapi import INFERENCE_ERRORS, documented
 
 router = APIRouter()
 
 
 @router.post("/v1/embeddings")
+@documented(body=EmbeddingRequest, ok=CreateEmbeddingResponse, errors=INFERENCE_ERRORS, headers=("strict", "lease"))
 async def embeddings(request: Request) -> Response:
     body = await json_body(request)
     call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))

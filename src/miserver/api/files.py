@@ -7,14 +7,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from ..protocol.batches import BatchInputLine, BatchOutputLine
+from ..protocol.files import FileDeleted, FileList, FileObject, FileUploadForm
 from ..services import files as service
 from .common import list_object, state
+from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 from .upload import receive_upload
 
 router = APIRouter()
 
 
 @router.post("/v1/files")
+@documented(
+    form=FileUploadForm, lines=BatchInputLine, ok=FileObject, errors=(400, 409, 413, 500), headers=("idempotency",)
+)
 async def upload_file(request: Request) -> dict[str, Any]:
     """Multipart ``file`` + ``purpose`` (+ ``expires_after[...]``) -> the FileObject; limits checked while streaming."""
     st = state(request)
@@ -41,6 +47,7 @@ async def upload_file(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/files")
+@documented(ok=FileList)
 async def list_files(
     request: Request,
     purpose: str | None = None,
@@ -56,12 +63,14 @@ async def list_files(
 
 
 @router.get("/v1/files/{file_id}")
+@documented(ok=FileObject, errors=LOOKUP_ERRORS)
 async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:
     """The FileObject."""
     return await service.retrieve_file(state(request).store, file_id)
 
 
 @router.get("/v1/files/{file_id}/content")
+@documented(ok_media="application/jsonl", lines=BatchOutputLine, errors=LOOKUP_ERRORS)
 async def file_content(file_id: str, request: Request) -> Response:
     """The exact bytes, streamed as ``application/jsonl``; 404 ``file_expired`` once the content is gone."""
     record, content = await service.open_content(state(request).store, file_id)
@@ -69,6 +78,7 @@ async def file_content(file_id: str, request: Request) -> Response:
 
 
 @router.delete("/v1/files/{file_id}")
+@documented(ok=FileDeleted, errors=CHANGE_ERRORS)
 async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
     """``{id, object: "file", deleted: true}``; 409 ``file_in_use`` while an unfinished batch reads the file."""
     return await service.delete_file(state(request).store, file_id)

@@ -6,19 +6,23 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ..protocol.server import Health, HealthDetailed
 from ..scheduler import Priority
 from ..store import rows as store_rows
 from .common import state
+from .openapi import documented
 
 router = APIRouter()
 
 
 @router.get("/api/health")
+@documented(ok=Health)
 async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
 @router.get("/api/health/detailed")
+@documented(ok=HealthDetailed)
 async def health_detailed(request: Request) -> dict[str, Any]:
     st = state(request)
     async with st.store.read() as conn:

@@ -5,14 +5,21 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ..protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from ..protocol.completions import Completion, CompletionRequest
 from ..services.context import Call
 from ..services.registry import SERVICES
 from .common import json_body, state, strict_mode, to_response
+from .openapi import INFERENCE_ERRORS, documented
 
 router = APIRouter()
 
 
 @router.post("/v1/chat/completions")
+@documented(
+    body=ChatCompletionRequest, ok=ChatCompletion, stream=ChatCompletionChunk, errors=INFERENCE_ERRORS,
+    headers=("strict", "lease"),
+)  # fmt: skip
 async def chat_completions(request: Request) -> Response:
     body = await json_body(request)
     call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
@@ -20,6 +27,9 @@ async def chat_completions(request: Request) -> Response:
 
 
 @router.post("/v1/completions")
+@documented(
+    body=CompletionRequest, ok=Completion, stream=Completion, errors=INFERENCE_ERRORS, headers=("strict", "lease")
+)
 async def completions(request: Request) -> Response:
     body = await json_body(request)
     call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))

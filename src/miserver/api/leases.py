@@ -5,26 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field
 
 from ..errors import InvalidRequestError
-from ..protocol.common import RequestModel, parse_request
+from ..protocol.batches import Batch
+from ..protocol.common import parse_request
+from ..protocol.server import LeaseObject, LeaseReleased, LeaseRequest, RenewRequest
 from ..services import batches as batches_service
 from .common import json_body, state, strict_mode
+from .openapi import CHANGE_ERRORS, documented
 
 router = APIRouter()
 
 
-class LeaseRequest(RequestModel):
-    holder: str = Field(min_length=1, max_length=200)
-    ttl_seconds: float = 60.0
-
-
-class RenewRequest(RequestModel):
-    ttl_seconds: float | None = None
-
-
 @router.get("/api/lease")
+@documented(ok=LeaseObject)
 async def current_lease(request: Request) -> dict[str, Any]:
     """The live lease, or ``{"lease": null}``."""
     live = state(request).ctx.leases.current()
@@ -32,6 +26,7 @@ async def current_lease(request: Request) -> dict[str, Any]:
 
 
 @router.post("/api/lease")
+@documented(body=LeaseRequest, ok=LeaseObject, errors=(400, 409, 500), headers=("strict",))
 async def take_lease(request: Request) -> dict[str, Any]:
     """``{holder, ttl_seconds}`` -> ``{lease, holder, expires_at}``; 409 ``lease_held`` while another holder has it."""
     req = parse_request(LeaseRequest, await json_body(request), strict=strict_mode(request))
@@ -39,6 +34,7 @@ async def take_lease(request: Request) -> dict[str, Any]:
 
 
 @router.post("/api/lease/{lease}/renew")
+@documented(body=RenewRequest, body_required=False, ok=LeaseObject, errors=CHANGE_ERRORS, headers=("strict",))
 async def renew_lease(lease: str, request: Request) -> dict[str, Any]:
     raw = await request.body()
     req = parse_request(RenewRequest, await json_body(request) if raw.strip() else {}, strict=strict_mode(request))
@@ -47,12 +43,14 @@ async def renew_lease(lease: str, request: Request) -> dict[str, Any]:
 
 @router.post("/api/lease/{lease}/release")
 @router.delete("/api/lease/{lease}")
+@documented(ok=LeaseReleased, errors=CHANGE_ERRORS)
 async def release_lease(lease: str, request: Request) -> dict[str, Any]:
     state(request).ctx.leases.release(lease)
     return {"lease": lease, "released": True}
 
 
 @router.post("/v1/batches/{batch_id}/lease")
+@documented(ok=Batch, errors=CHANGE_ERRORS, headers=("lease",))
 async def hand_lease(batch_id: str, request: Request) -> dict[str, Any]:
     """Hand the caller's live lease (``X-miLLM-Lease``) to a batch that has not finished: it runs under it."""
     st = state(request)

@@ -6,23 +6,29 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ..errors import MissingParameterError
-from .common import json_body, state
+from ..protocol.common import parse_request
+from ..protocol.server import Catalogue, ModelList, ModelLoaded, ModelLoadRequest, ModelObject, ModelUnloaded
+from .common import json_body, state, strict_mode
+from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
 
 
 def _model(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "miserver"}
+    return ModelObject(id=model_id, created=created, owned_by="miserver").model_dump()
 
 
 @router.get("/v1/models")
+@documented(ok=ModelList)
 async def list_models(request: Request) -> dict[str, Any]:
     st = state(request)
-    return {"object": "list", "data": [_model(m, st.started_at) for m in st.ctx.served_models()]}
+    return ModelList(
+        data=[ModelObject(id=m, created=st.started_at, owned_by="miserver") for m in st.ctx.served_models()]
+    ).model_dump()
 
 
 @router.get("/v1/models/{model_id:path}")
+@documented(ok=ModelObject, errors=LOOKUP_ERRORS)
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     st = state(request)
     st.ctx.resolve_model(model_id)  # raises 404 model_not_found with the same message as inference
@@ -30,25 +36,25 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.get("/api/models")
+@documented(ok=Catalogue)
 async def catalogue(request: Request) -> dict[str, Any]:
     """The models this server can make resident, with ``resident`` true for the one in memory."""
     return {"object": "list", "data": state(request).residency.catalogue()}
 
 
 @router.post("/api/models/load")
+@documented(body=ModelLoadRequest, ok=ModelLoaded, errors=(400, 409, 500), headers=("strict", "lease"))
 async def load(request: Request) -> dict[str, Any]:
     """``{"model": id or path}``: make it the resident model (needs the lease when one is held)."""
     st = state(request)
-    body = await json_body(request)
-    model = body.get("model") if isinstance(body, dict) else None
-    if not isinstance(model, str) or not model:
-        raise MissingParameterError("Missing required parameter: 'model'.", param="model")
-    engine = await st.residency.load(model, request.headers.get("x-millm-lease"))
+    req = parse_request(ModelLoadRequest, await json_body(request), strict=strict_mode(request))
+    engine = await st.residency.load(req.model, request.headers.get("x-millm-lease"))
     st.runner.wake()
     return {"id": engine.info.model_id, "resident": True, "weights_revision": engine.info.weights_revision}
 
 
 @router.post("/api/models/unload")
+@documented(ok=ModelUnloaded, errors=CHANGE_ERRORS, headers=("lease",))
 async def unload(request: Request) -> dict[str, Any]:
     """Free the resident model (needs the lease when one is held). Batches wait with ``model_not_resident``."""
     st = state(request)

@@ -10,10 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import UnsupportedParameterError
+from ..protocol.responses import ResponseCreateRequest, ResponseDeleted, ResponseObject
 from ..services import responses as service
 from ..services.context import Call, StreamResult
 from ..services.registry import SERVICES
 from .common import json_body, state, strict_mode, to_response
+from .openapi import INFERENCE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
 
@@ -31,6 +33,9 @@ def _sse(result: StreamResult) -> StreamingResponse:
 
 
 @router.post("/v1/responses")
+@documented(
+    body=ResponseCreateRequest, ok=ResponseObject, stream=True, errors=INFERENCE_ERRORS, headers=("strict", "lease")
+)
 async def create_response(request: Request) -> Response:
     """Create a Response (``stream: true``: as Server-Sent Events)."""
     body = await json_body(request)
@@ -40,6 +45,7 @@ async def create_response(request: Request) -> Response:
 
 
 @router.get("/v1/responses/{response_id}")
+@documented(ok=ResponseObject, errors=LOOKUP_ERRORS)
 async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
     """A stored Response. Replaying a stored Response as a stream (``stream=true``) is refused."""
     if request.query_params.get("stream", "").lower() == "true":
@@ -50,6 +56,7 @@ async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
 
 
 @router.delete("/v1/responses/{response_id}")
+@documented(ok=ResponseDeleted, errors=LOOKUP_ERRORS)
 async def delete_response(request: Request, response_id: str) -> JSONResponse:
     """Delete a stored Response."""
     return JSONResponse(await service.delete(state(request).ctx, response_id))

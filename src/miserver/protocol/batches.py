@@ -168,3 +168,13 @@ class Batch(ResponseModel):
     metadata: dict[str, str] | None
     usage: BatchUsage
     millm: BatchExtension
+
+
+class BatchList(ResponseModel):
+    """``GET /v1/batches``: a page of Batch objects, newest first (the OpenAI list envelope)."""
+
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

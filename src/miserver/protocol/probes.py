@@ -110,3 +110,9 @@ class ProbeScoreResponse(ResponseModel):
     data: list[ProbeScore]
     usage: ProbeScoreUsage
 
+
+class ProbeList(ResponseModel):
+    """``GET /api/probes``: every probe, oldest first, without weights."""
+
+    object: Literal["list"] = "list"
+    data: list[Probe]

@@ -1,0 +1,137 @@
+"""Pydantic models of miServer's own routes that have no OpenAI counterpart in another module: health, the model
+lease, ``/v1/models`` and the model catalogue (DESIGN §3.4-§3.5). The routes build their answers with these models,
+and the OpenAPI document describes the routes with them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .common import RequestModel, ResponseModel
+
+# -- health ---------------------------------------------------------------------------------------------------------
+
+
+class Health(ResponseModel):
+    """``GET /api/health``: the server is ready (it answers 200 only then)."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Slots(ResponseModel):
+    total: int
+    in_use: int
+
+
+class Queues(ResponseModel):
+    """Requests waiting for a slot, by class."""
+
+    interactive: int
+    batch: int
+
+
+class InferenceHealth(ResponseModel):
+    """``batch_backlog_rows``: rows not yet run across active batches."""
+
+    batch_backlog_rows: int
+    slots: Slots
+    queues: Queues
+
+
+class ResidentModel(ResponseModel):
+    """The resident model: its id, backend, dtype, weights revision and context length (tokens)."""
+
+    id: str
+    backend: str
+    dtype: str
+    weights_revision: str
+    context_length: int
+
+
+class LeaseObject(ResponseModel):
+    """The model lease: its token (sent back as ``X-miLLM-Lease``), holder, time to live in seconds and expiry
+    (Unix seconds). ``GET /api/lease`` answers every field null when no lease is live."""
+
+    lease: str | None
+    holder: str | None
+    ttl_seconds: float | None = None
+    expires_at: int | None
+
+
+class HealthDetailed(ResponseModel):
+    """``GET /api/health/detailed``."""
+
+    status: Literal["ok"] = "ok"
+    database: Literal["sqlite", "postgresql"]
+    inference: InferenceHealth
+    model: ResidentModel | None
+    loading: bool
+    lease: LeaseObject | None
+
+
+# -- leases ---------------------------------------------------------------------------------------------------------
+
+
+class LeaseRequest(RequestModel):
+    """``POST /api/lease``: who holds the lease and for how long (seconds; the bounds are ``leases.check_ttl``'s)."""
+
+    holder: str = Field(min_length=1, max_length=200)
+    ttl_seconds: float = 60.0
+
+
+class RenewRequest(RequestModel):
+    """``POST /api/lease/{lease}/renew`` (an empty body is allowed): a new time to live, or the lease's own."""
+
+    ttl_seconds: float | None = None
+
+
+class LeaseReleased(ResponseModel):
+    lease: str
+    released: Literal[True] = True
+
+
+# -- models ---------------------------------------------------------------------------------------------------------
+
+
+class ModelObject(ResponseModel):
+    """OpenAI's Model object; ``id`` exactly as requests must name it."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class CatalogueEntry(ResponseModel):
+    """A model this server can make resident: its id, where it loads from, and whether it is resident now."""
+
+    id: str
+    source: str
+    resident: bool
+
+
+class Catalogue(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[CatalogueEntry]
+
+
+class ModelLoadRequest(RequestModel):
+    """``POST /api/models/load``: a catalogue id, a transformers directory or a ``.gguf`` path."""
+
+    model: str = Field(min_length=1)
+
+
+class ModelLoaded(ResponseModel):
+    id: str
+    resident: Literal[True] = True
+    weights_revision: str
+
+
+class ModelUnloaded(ResponseModel):
+    resident: None = None
