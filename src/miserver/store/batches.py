@@ -58,6 +58,8 @@ class BatchRecord:
     prices: dict[str, list[int]] | None = None
     enqueued_tokens: int = 0
     balance_waiting_since: int | None = None
+    #: model life (issue 15): the weights revision the batch is pinned to (None: whatever is resident)
+    weights_revision: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -88,6 +90,7 @@ async def insert_batch(
     pack: bool,
     output_expires_seconds: int | None,
     caller_lease: str | None = None,
+    weights_revision: str | None = None,
 ) -> BatchRecord:
     await conn.execute(
         insert(batches).values(
@@ -102,6 +105,7 @@ async def insert_batch(
             pack=pack,
             output_expires_seconds=output_expires_seconds,
             caller_lease=caller_lease,
+            weights_revision=weights_revision,
         )
     )
     record = await get_batch(conn, batch_id)

@@ -111,6 +111,9 @@ batches = Table(
     Column("prices_json", Text, nullable=True),
     Column("enqueued_tokens", BigInteger, nullable=False, server_default="0"),
     Column("balance_waiting_since", BigInteger, nullable=True),
+    # model life (issue 15): the weights revision the batch is pinned to (its rows wait ``weights_changed`` while
+    # the resident revision differs); NULL runs on whatever is resident
+    Column("weights_revision", String(64), nullable=True),
     CheckConstraint("status IN (" + ", ".join(f"'{s}'" for s in BATCH_STATUSES) + ")", name="status"),
     CheckConstraint("completed >= 0 AND failed >= 0 AND completed + failed <= total", name="counts"),
 )
@@ -291,3 +294,30 @@ usage_records = Table(
 )
 Index("ix_usage_records_key_day", usage_records.c.key_id, usage_records.c.day)
 Index("ix_usage_records_day", usage_records.c.day)
+
+# Model life (issue 15). A checkpoint is the resident weights saved under a new model id (``model_id``) as a
+# transformers folder at ``path`` (safetensors, config, tokenizer); ``base_model`` is the catalogue id its weights
+# came from, ``weights_revision`` the digest of its weight files, ``bytes`` its size on disk.
+checkpoints = Table(
+    "checkpoints",
+    metadata,
+    Column("model_id", String(512), primary_key=True),
+    Column("path", Text, nullable=False),
+    Column("base_model", String(512), nullable=False),
+    Column("weights_revision", String(64), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
+)
+
+# Catalogue entries added with ``miserver models add`` (``POST /api/models``); the ``--catalogue`` file's entries
+# are configuration and are not stored. ``source`` is a transformers folder, a .gguf file or the embedded id;
+# ``aliases_json`` a JSON list of names that resolve to ``model_id`` (compared case-insensitively).
+catalogue_models = Table(
+    "catalogue_models",
+    metadata,
+    Column("model_id", String(512), primary_key=True),
+    Column("source", Text, nullable=False),
+    Column("aliases_json", Text, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+)
