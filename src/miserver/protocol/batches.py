@@ -44,6 +44,13 @@ class BatchCreateRequest(RequestModel):
     metadata: dict[str, str] | None = None
     output_expires_after: OutputExpiresAfter | None = None
     pack: bool | None = None
+    #: extension (model life): pin the batch to this weights revision (``X-miLLM-Weights``); while the resident
+    #: revision differs its rows wait with ``waiting_reason: weights_changed``
+    weights_revision: str | None = Field(None, min_length=1, max_length=64)
+    #: extension (scheduling): batches of higher priority run first (before deadlines decide); default 0
+    priority: int | None = Field(None, ge=-1000, le=1000)
+    #: extension (ETA): run the batch even when its estimated time to finish exceeds its window (it may expire)
+    millm_allow_late: bool | None = None
 
 
 class BatchInputLine(RequestModel):
@@ -139,9 +146,29 @@ class BatchExtension(ResponseModel):
     """miServer's ``millm`` block on a batch."""
 
     pack: bool
-    waiting_reason: Literal["queued", "model_not_resident", "lease_unavailable", "weights_torn"] | None = None
+    waiting_reason: (
+        Literal[
+            "queued",
+            "model_not_resident",
+            "lease_unavailable",
+            "weights_torn",
+            "weights_changed",
+            "off_peak",
+            "paused",
+            "insufficient_balance",
+            "upstream_unavailable",
+        ]
+        | None
+    ) = None
     lease_holder: str | None = None
     description: str | None = None
+    #: the weights revision the batch is pinned to (``weights_revision`` at create), None when not pinned
+    weights_revision: str | None = None
+    #: scheduling (issue 14): the batch's priority, whether it is paused, and its estimated completion time (Unix
+    #: seconds; None until a rate of its model and endpoint is measured, and once it has ended)
+    priority: int = 0
+    paused: bool = False
+    estimated_completion_at: int | None = None
 
 
 class Batch(ResponseModel):

@@ -338,6 +338,7 @@ async def start_gateway(
     from .config import parse_upstreams
 
     configs, problems = parse_upstreams(entries, default_max_in_flight)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream request would drown the log
     for problem in problems:
         log.warning("%s; starting without it", problem)
     if not configs:

@@ -1,0 +1,185 @@
+"""Gateway mode (issue 12) against real upstream processes: two ``miserver serve`` on the tiny model (served as
+``tiny-up``, one pool) and small real HTTP servers that misbehave on purpose (:mod:`tests.support.fake_upstream`),
+behind one gateway that also has the tiny model resident (as ``tiny``). The official SDK drives the gateway.
+
+The module shares its processes; the last test kills upstream ``a``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.support.batches import chat_body, jsonl, line, read_lines, submit, wait_terminal
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.server import ServerProcess, tiny_server_process, wait_for
+
+UP = "tiny-up"
+FAKES: dict[str, dict[str, Any]] = {
+    "flaky": {"fail_first": 2, "envelope": "sglang"},
+    "slow": {"delay": 6},
+    "cut": {"cut_stream": True},
+    "errchunk": {"error_chunk": True},
+    "gone": {"delay": 0.3},
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """``{"a", "b": upstream miServers, fake name: FakeUpstream, "gateway": ServerProcess, "root": Path}``."""
+    root = tmp_path_factory.mktemp("gateway")
+    ups = {n: tiny_server_process(tiny_model_dir, root / n, served_model_name=UP) for n in ("a", "b")}
+    fakes = {n: FakeUpstream(model=n, log=root / f"{n}.requests", **opts) for n, opts in FAKES.items()}
+    started: list[Any] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            started += list(pool.map(lambda s: s.start(), ups.values()))
+        started += [f.start() for f in fakes.values()]
+        entries = [f"{n}={s.base_url};max_in_flight=2" for n, s in ups.items()]
+        entries += [f"{n}={f.base_url}" for n, f in fakes.items()]
+        gateway = tiny_server_process(
+            tiny_model_dir,
+            root / "gateway",
+            env={
+                "MISERVER_UPSTREAMS": ",".join(entries),
+                "MISERVER_UPSTREAM_TOTAL_TIMEOUT": "2",
+                "MISERVER_UPSTREAM_BACKOFF_SECONDS": "0.05",
+                "MISERVER_UPSTREAM_HEALTH_SECONDS": "0.5",
+                "BATCH_POLL_SECONDS": "0.2",
+            },
+        )
+        started.append(gateway.start())
+        yield {**ups, **fakes, "gateway": gateway, "root": root}
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(fleet: dict[str, Any]) -> openai.OpenAI:
+    return fleet["gateway"].client()  # type: ignore[no-any-return]
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """The two bodies agree but for the per-response id and time."""
+    assert {k: v for k, v in a.items() if k not in ("id", "created")} == {
+        k: v for k, v in b.items() if k not in ("id", "created")
+    }
+
+
+def test_discovery_lists_every_model_once(client: openai.OpenAI) -> None:
+    models = {m.id: m.owned_by for m in client.models.list().data}
+    assert models == {
+        "tiny": "miserver",
+        UP: "upstream:a,b",
+        **{n: f"upstream:{n}" for n in FAKES},
+    }
+    assert client.models.retrieve(UP).owned_by == "upstream:a,b"
+
+
+def test_sync_requests_equal_the_upstreams_direct_answer(fleet: dict[str, Any]) -> None:
+    gateway, direct = fleet["gateway"].http(), fleet["a"].http()
+    cases = [
+        ("/v1/chat/completions", chat_body("Name a colour.", model=UP, max_tokens=6, temperature=0, seed=3)),
+        ("/v1/completions", {"model": UP, "prompt": "Once upon", "max_tokens": 4, "temperature": 0}),
+        ("/v1/embeddings", {"model": UP, "input": ["hello", "world"]}),
+    ]
+    for path, body in cases:
+        via, straight = gateway.post(path, json=body), direct.post(path, json=body)
+        assert via.status_code == straight.status_code == 200, via.text
+        _same(via.json(), straight.json())
+        assert via.json()["model"] == UP
+        assert via.headers["x-millm-backend"] in ("upstream:a", "upstream:b")
+        assert via.headers["x-millm-model"] == UP
+        assert via.headers["x-millm-weights"] == straight.headers["x-millm-weights"]
+    refused = gateway.post("/v1/chat/completions", json={**cases[0][1], "temperature": 9})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+
+
+def test_stream_is_relayed_with_the_model_kept(client: openai.OpenAI) -> None:
+    body = chat_body("Count to three.", model=UP, max_tokens=6, temperature=0)
+    whole = client.chat.completions.create(**body)
+    parts = list(client.chat.completions.create(**body, stream=True))
+    assert {p.model for p in parts} == {UP}
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == whole.choices[0].message.content
+
+
+@pytest.mark.parametrize("model, message", [("cut", "closed the stream"), ("errchunk", "engine crashed")])
+def test_a_cut_stream_or_an_error_chunk_is_an_error(client: openai.OpenAI, model: str, message: str) -> None:
+    with pytest.raises(openai.APIError, match=message):
+        for _ in client.chat.completions.create(**chat_body("hi", model=model), stream=True):
+            pass
+
+
+def test_503_is_retried_with_one_request_id_until_it_recovers(fleet: dict[str, Any], client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(**chat_body("hello", model="flaky"))
+    assert answer.choices[0].message.content == "echo: hello" and answer.model == "flaky"
+    ids = (fleet["root"] / "flaky.requests").read_text().split()
+    assert len(ids) == 3 and len(set(ids)) == 1  # two 503s, then the answer: one X-Request-Id
+
+
+def test_a_slow_upstream_ends_at_the_total_timeout(client: openai.OpenAI) -> None:
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**chat_body("hi", model="slow"))
+    assert caught.value.status_code == 504
+    assert caught.value.body["code"] == "upstream_timeout"  # type: ignore[index]
+    assert time.monotonic() - started < 5
+
+
+def test_a_two_model_file_completes_in_input_order(client: openai.OpenAI) -> None:
+    rows = [line(f"r{i}", chat_body(f"Row {i}", model=UP if i % 2 else "tiny", temperature=0)) for i in range(8)]
+    rows.insert(3, line("nobody", chat_body("hi", model="nobody")))
+    done = wait_terminal(client, submit(client, jsonl(rows)).id)
+    assert done.status == "completed", done.errors
+    assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (8, 1)
+    out = read_lines(client, done.output_file_id)
+    assert [x["custom_id"] for x in out] == [f"r{i}" for i in range(8)]
+    backends = [x["response"]["millm"]["headers"]["X-miLLM-Backend"] for x in out]
+    assert backends[0::2] == ["serial"] * 4 and all(b.startswith("upstream:") for b in backends[1::2])
+    assert {x["response"]["body"]["model"] for x in out} == {"tiny", UP}
+    (refused,) = read_lines(client, done.error_file_id)
+    assert refused["millm"]["line"] == 4 and refused["error"]["code"] == "model_not_found"
+
+
+def test_a_batch_that_expires_while_its_pool_is_down(fleet: dict[str, Any], client: openai.OpenAI) -> None:
+    rows = [line(f"g{i}", chat_body(f"g{i}", model="gone")) for i in range(12)]
+    batch = submit(client, jsonl(rows))
+    wait_for(lambda: (c := client.batches.retrieve(batch.id).request_counts) is not None and c.completed >= 2)
+    fleet["gone"].kill9()
+    waiting = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).model_extra["millm"]["waiting_reason"]  # type: ignore[index]
+        == "upstream_unavailable"
+        and b
+    )
+    assert waiting.status == "in_progress"
+    with sqlite3.connect(fleet["root"] / "gateway" / "miserver.db", timeout=30) as db:  # time passes: it is due
+        db.execute("UPDATE batches SET expires_at = ? WHERE id = ?", (int(time.time()), batch.id))
+    done = wait_terminal(client, batch.id)
+    assert done.status == "expired"
+    out, errors = read_lines(client, done.output_file_id), read_lines(client, done.error_file_id)
+    assert len(out) >= 2 and len(out) + len(errors) == 12
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert sorted(x["custom_id"] for x in out + errors) == sorted(f"g{i}" for i in range(12))
+
+
+def test_an_upstream_killed_mid_batch_loses_nothing(fleet: dict[str, Any], client: openai.OpenAI) -> None:
+    rows = [line(f"k{i:02d}", chat_body(f"Row {i}", model=UP, max_tokens=4, temperature=0)) for i in range(16)]
+    batch = submit(client, jsonl(rows))
+    wait_for(lambda: (c := client.batches.retrieve(batch.id).request_counts) is not None and c.completed >= 2)
+    fleet["a"].kill9()
+    done = wait_terminal(client, batch.id, timeout=180)
+    assert done.status == "completed", done.errors
+    assert done.request_counts is not None and done.request_counts.completed == 16
+    out = read_lines(client, done.output_file_id)
+    assert [x["custom_id"] for x in out] == [f"k{i:02d}" for i in range(16)]  # each once, in input order
+    assert "upstream:b" in {x["response"]["millm"]["headers"]["X-miLLM-Backend"] for x in out}
+    after = client.chat.completions.create(**chat_body("still there?", model=UP))
+    assert after.model == UP
