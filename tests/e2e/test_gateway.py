@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.batches import chat_body, jsonl, line, read_lines, submit, wait_terminal
 from tests.support.fake_upstream import FakeUpstream
-from tests.support.server import ServerProcess, tiny_server_process, wait_for
+from tests.support.server import tiny_server_process, wait_for
 
 UP = "tiny-up"
 FAKES: dict[str, dict[str, Any]] = {
