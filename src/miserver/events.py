@@ -1,7 +1,9 @@
 """Live progress over Socket.IO (python-socketio, path ``/socket.io``): the ``batch:progress`` event.
 
-A client joins a batch's room by emitting ``subscribe`` with ``{"batch_id": ...}`` (the batch id is the capability:
-only clients that know it hear of it). The server emits ``batch:progress``
+A client joins a batch's room by emitting ``subscribe`` with ``{"batch_id": ...}``. Once the database holds API keys
+a client connects with one (Socket.IO ``auth={"api_key": "sk-..."}``, or an ``Authorization: Bearer`` header) and
+may subscribe only to its own key's batches (an admin key: to any); another key's batch answers "no batch", as the
+HTTP routes answer 404, so its events never reach the client. The server emits ``batch:progress``
 ``{id, status, request_counts, millm: {waiting_reason}}`` to that room on every change of status or counts: at once
 for changes made by this process, and within ``poll_seconds`` for changes made by other processes (workers sharing
 PostgreSQL).
@@ -16,12 +18,16 @@ from typing import Any
 
 import socketio
 
+from .errors import APIError
+from .services import accounts
 from .store import Store
 from .store import batches as store_batches
 
 log = logging.getLogger("miserver.events")
 
 EVENT = "batch:progress"
+#: The event of a model load's progress (``services/residency.py``).
+MODEL_LOADING = "model:loading"
 
 
 def room(batch_id: str) -> str:
@@ -41,6 +47,8 @@ class ProgressEvents:
         self._wake = asyncio.Event()
         self._last: dict[str, dict[str, Any]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._emits: set[asyncio.Task[None]] = set()
+        self.sio.on("connect", self._connect)
         self.sio.on("subscribe", self._subscribe)
         self.sio.on("unsubscribe", self._unsubscribe)
 
@@ -54,13 +62,32 @@ class ProgressEvents:
         """Attach the store (it is opened in the application's lifespan, after the Socket.IO server exists)."""
         self._store = store
 
+    async def _connect(self, sid: str, environ: dict[str, Any], auth: Any = None) -> None:
+        """Authenticate the client (its key from ``auth.api_key`` or the ``Authorization`` header) and keep who it
+        is in its session; a missing, unknown or revoked key while keys exist refuses the connection."""
+        key = auth.get("api_key") if isinstance(auth, dict) and isinstance(auth.get("api_key"), str) else None
+        if key is None:
+            scheme, _, value = str(environ.get("HTTP_AUTHORIZATION", "")).partition(" ")
+            key = value.strip() if scheme.lower() == "bearer" and value.strip() else None
+        try:
+            principal = await accounts.principal_for(self.store, key)
+        except APIError as exc:
+            raise socketio.exceptions.ConnectionRefusedError(exc.message) from None
+        await self.sio.save_session(sid, {"principal": principal})
+
+    async def _principal(self, sid: str) -> accounts.Principal:
+        session = await self.sio.get_session(sid)
+        principal = session.get("principal") if isinstance(session, dict) else None
+        return principal if isinstance(principal, accounts.Principal) else accounts.SYSTEM
+
     async def _subscribe(self, sid: str, data: Any) -> dict[str, Any]:
         batch_id = data.get("batch_id") if isinstance(data, dict) else None
         if not isinstance(batch_id, str):
-            return {"ok": False, "error": "send {\"batch_id\": \"batch_...\"}"}
+            return {"ok": False, "error": 'send {"batch_id": "batch_..."}'}
         async with self.store.tx() as conn:
             batch = await store_batches.get_batch(conn, batch_id)
-        if batch is None:
+        scope = (await self._principal(sid)).scope
+        if batch is None or (scope is not None and batch.owner_key_id != scope):
             return {"ok": False, "error": f"no batch {batch_id}"}
         await self.sio.enter_room(sid, room(batch_id))
         payload = self.payload(batch)
@@ -83,6 +110,13 @@ class ProgressEvents:
             "request_counts": {"total": batch.total, "completed": batch.completed, "failed": batch.failed},
             "millm": {"waiting_reason": batch.waiting_reason if batch.status == "in_progress" else None},
         }
+
+    def model_loading(self, payload: dict[str, Any]) -> None:
+        """Broadcast ``model:loading`` (``{model, stage: "loading" | "loaded" | "failed", ...}``) to every
+        connected client: a load's progress (called from the event loop; never blocks)."""
+        task = asyncio.get_running_loop().create_task(self.sio.emit(MODEL_LOADING, payload))
+        self._emits.add(task)
+        task.add_done_callback(self._emits.discard)
 
     def notify(self, batch_id: str) -> None:
         """Note that ``batch_id`` changed (called by the runner; cheap, never blocks)."""

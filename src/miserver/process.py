@@ -118,10 +118,11 @@ class ServerProcess:
         """The last ``chars`` characters of the server's output."""
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
-    def client(self, **kwargs: Any) -> openai.OpenAI:
-        """The official SDK in strict response validation, as every end-to-end test uses it. Closed by :meth:`stop`."""
+    def client(self, api_key: str = "test", **kwargs: Any) -> openai.OpenAI:
+        """The official SDK in strict response validation, as every end-to-end test uses it, presenting ``api_key``
+        (any value on a server without keys). Closed by :meth:`stop`."""
         client = openai.OpenAI(
-            base_url=self.base_url + "/v1", api_key="test", _strict_response_validation=True, max_retries=0, **kwargs
+            base_url=self.base_url + "/v1", api_key=api_key, _strict_response_validation=True, max_retries=0, **kwargs
         )
         self._clients.append(client)
         return client

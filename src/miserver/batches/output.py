@@ -28,6 +28,8 @@ from ..store.batches import BatchRecord
 UNRUN_MESSAGES = {
     "batch_cancelled": "The batch was cancelled before this request ran.",
     "batch_expired": "The batch expired before this request ran.",
+    "insufficient_quota": "The balance of the batch's API key ran out before this request ran; it was not charged.",
+    "key_revoked": "The batch's API key was revoked before this request ran; it was not charged.",
 }
 
 
@@ -119,6 +121,7 @@ async def _write_files(
                 filename=f"batch_{batch.id.removeprefix('batch_')}_{kind}.jsonl",
                 created_at=created,
                 expires_at=expires,
+                owner_key_id=batch.owner_key_id,  # the batch's owner reads its results
             )
         return writers[kind]
 

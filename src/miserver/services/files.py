@@ -23,6 +23,7 @@ from ..protocol.files import EXPIRES_AFTER_MAX_SECONDS, EXPIRES_AFTER_MIN_SECOND
 from ..store import Store
 from ..store import files as store_files
 from ..store.files import FileRecord
+from . import accounts
 from .idempotency import Keyed, check_key, create_once
 
 #: The one purpose an upload may name (``batch_output`` files are written by the server).
@@ -158,7 +159,8 @@ async def create_file(store: Store, upload: FileUpload, *, default_expiry_second
     Raises 400 for the Idempotency-Key, ``purpose``, a missing ``file`` part or ``expires_after`` (in that order,
     after the replay), 409 for an Idempotency-Key conflict. The spooled file at ``upload.path`` is read, not removed.
     """
-    request = Keyed("files", check_key(upload.idempotency_key), upload.fingerprint())
+    # an Idempotency-Key is the caller's own: another key's same key never replays (or conflicts with) this one
+    request = Keyed(accounts.keyed_route("files"), check_key(upload.idempotency_key), upload.fingerprint())
 
     async def create(conn: AsyncConnection) -> dict[str, Any]:
         check_purpose(upload.fields)
@@ -173,6 +175,7 @@ async def create_file(store: Store, upload: FileUpload, *, default_expiry_second
             created_at=created,
             expires_at=expires_at(upload.fields, created, default_expiry_seconds),
             chunks=_read_pieces(upload.path),
+            owner_key_id=accounts.current().owner,
         )
         return file_object(record)
 
@@ -187,18 +190,22 @@ async def list_files(
     Raises 400 for ``limit``/``order`` out of range and for an ``after`` that names no file.
     """
     check_list(limit, order)
+    owner = accounts.scope()
     async with store.tx() as conn:
-        if after is not None and await store_files.get_file(conn, after) is None:
+        cursor = await store_files.get_file(conn, after) if after is not None else None
+        if after is not None and (cursor is None or not accounts.visible(cursor.owner_key_id)):
             raise InvalidRequestError(f"Invalid 'after': no file with id {after!r}.", param="after")
-        page, has_more = await store_files.list_files(conn, purpose=purpose, limit=limit, order=order, after=after)
+        page, has_more = await store_files.list_files(
+            conn, purpose=purpose, limit=limit, order=order, after=after, owner=owner
+        )
     return [file_object(r) for r in page], has_more
 
 
 async def get_record(store: Store, file_id: str) -> FileRecord:
-    """The file's record; 404 ``not_found`` when there is none."""
+    """The file's record; 404 ``not_found`` when there is none or it belongs to another key."""
     async with store.tx() as conn:
         record = await store_files.get_file(conn, file_id)
-    if record is None:
+    if record is None or not accounts.visible(record.owner_key_id):
         raise not_found(file_id)
     return record
 
@@ -226,7 +233,8 @@ async def delete_file(store: Store, file_id: str) -> dict[str, Any]:
     Raises 404 ``not_found``, and 409 ``file_in_use`` while a batch that has not finished reads it.
     """
     async with store.tx() as conn:
-        if await store_files.get_file(conn, file_id, lock=True) is None:  # a batch create waits for this delete
+        record = await store_files.get_file(conn, file_id, lock=True)  # a batch create waits for this delete
+        if record is None or not accounts.visible(record.owner_key_id):
             raise not_found(file_id)
         batch_id = await store_files.referencing_active_batch(conn, file_id)
         if batch_id is not None:

@@ -30,6 +30,7 @@ from ..protocol.probes import (
 )
 from ..store import probes as store_probes
 from ..store.probes import ProbeRecord
+from . import accounts
 from .common import check_context
 from .context import Call, ServiceContext, ServiceResult, provenance_headers
 from .linear_probe import LinearProbe, check_labels
@@ -145,6 +146,7 @@ async def create_probe(ctx: ServiceContext, body: Any, call: Call) -> dict[str, 
         training=training,
         description=req.description,
         created_at=now(),
+        owner_key_id=accounts.current().owner,
     )
     async with store.tx() as conn:
         if not await store_probes.insert_probe(conn, record):
@@ -167,7 +169,7 @@ def _not_found(name: str, param: str) -> NotFoundError:
 async def list_probes(ctx: ServiceContext) -> dict[str, Any]:
     """``GET /api/probes``: every probe, oldest first, without weights."""
     async with ctx.require_store().tx() as conn:
-        records = await store_probes.list_probes(conn)
+        records = await store_probes.list_probes(conn, owner=accounts.scope())
     return {"object": "list", "data": [probe_object(r, with_weights=False) for r in records]}
 
 
@@ -175,7 +177,7 @@ async def get_probe(ctx: ServiceContext, name: str) -> dict[str, Any]:
     """``GET /api/probes/{name}``: the probe with its weights; 404 ``probe_not_found``."""
     async with ctx.require_store().tx() as conn:
         record = await store_probes.get_probe(conn, name)
-    if record is None:
+    if record is None or not accounts.visible(record.owner_key_id):
         raise _not_found(name, "name")
     return probe_object(record, with_weights=True)
 
@@ -183,7 +185,7 @@ async def get_probe(ctx: ServiceContext, name: str) -> dict[str, Any]:
 async def delete_probe(ctx: ServiceContext, name: str) -> dict[str, Any]:
     """``DELETE /api/probes/{name}``; 404 ``probe_not_found``."""
     async with ctx.require_store().tx() as conn:
-        record = await store_probes.delete_probe(conn, name)
+        record = await store_probes.delete_probe(conn, name, owner=accounts.scope())
     if record is None:
         raise _not_found(name, "name")
     return ProbeDeleted(id=record.id, name=record.name).model_dump()
@@ -213,7 +215,7 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult:
     req, engine = check(ctx, body, strict=call.strict)
     async with ctx.require_store().tx() as conn:
         record = await store_probes.get_probe(conn, req.probe)
-    if record is None:
+    if record is None or not accounts.visible(record.owner_key_id):
         raise _not_found(req.probe, "probe")
     info = engine.info
     if record.model_id != info.model_id:

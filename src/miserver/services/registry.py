@@ -8,6 +8,7 @@ from functools import partial
 from typing import Any
 
 from . import chat, completions, embeddings, messages, probes, responses
+from .billing import billed
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 from .many import Outcome, Plan, run_each
 
@@ -20,18 +21,28 @@ class EndpointService:
     planner the packable work in packs. ``packable`` says whether a planner changes anything (``pack: true``)."""
 
     check: Callable[..., tuple[Any, Any]]
-    create: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]]
+    create: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]]  # usage recorded
     create_many: Callable[[ServiceContext, list[Any], Call, Plan | None], AsyncIterator[Outcome]]
     packable: bool
 
 
 SERVICES: dict[str, EndpointService] = {
-    "/v1/chat/completions": EndpointService(chat.check, chat.create, chat.create_many, True),
-    "/v1/completions": EndpointService(completions.check, completions.create, completions.create_many, True),
-    "/v1/embeddings": EndpointService(embeddings.check, embeddings.create, embeddings.create_many, True),
-    "/api/probes/score": EndpointService(probes.check, probes.create, partial(run_each, probes.create), False),
-    "/v1/responses": EndpointService(responses.check, responses.create, partial(run_each, responses.create), False),
+    "/v1/chat/completions": EndpointService(
+        chat.check, billed("/v1/chat/completions", chat.create), chat.create_many, True
+    ),
+    "/v1/completions": EndpointService(
+        completions.check, billed("/v1/completions", completions.create), completions.create_many, True
+    ),
+    "/v1/embeddings": EndpointService(
+        embeddings.check, billed("/v1/embeddings", embeddings.create), embeddings.create_many, True
+    ),
+    "/api/probes/score": EndpointService(
+        probes.check, billed("/api/probes/score", probes.create), partial(run_each, probes.create), False
+    ),
+    "/v1/responses": EndpointService(
+        responses.check, billed("/v1/responses", responses.create), partial(run_each, responses.create), False
+    ),
     "/anthropic/v1/messages": EndpointService(
-        messages.check, messages.create, partial(run_each, messages.create), False
+        messages.check, billed("/anthropic/v1/messages", messages.create), partial(run_each, messages.create), False
     ),
 }

@@ -34,7 +34,7 @@ from ..protocol.responses import (
 )
 from ..store import responses as store_responses
 from ..store.responses import StoredResponse
-from . import chat
+from . import accounts, chat
 from .batches import check_metadata
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 
@@ -163,7 +163,7 @@ async def _earlier_turns(ctx: ServiceContext, previous_id: str | None) -> Turns:
         return []
     async with ctx.require_store().read() as conn:
         record = await store_responses.get_response(conn, previous_id, now=now())
-    if record is None:
+    if record is None or not accounts.visible(record.owner_key_id):
         raise InvalidRequestError(
             f"Previous response with id '{previous_id}' not found.",
             param="previous_response_id",
@@ -230,6 +230,7 @@ async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns, tex
         expires_at=created + RETENTION_SECONDS,
         body=response,
         turns=[*turns, {"role": "assistant", "content": text}],
+        owner_key_id=accounts.current().owner,
     )
     at = now()
     async with ctx.require_store().tx() as conn:
@@ -333,7 +334,7 @@ async def retrieve(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
     """The stored Response ``response_id``; 404 when there is none (never stored, deleted, or expired)."""
     async with ctx.require_store().read() as conn:
         record = await store_responses.get_response(conn, response_id, now=now())
-    if record is None:
+    if record is None or not accounts.visible(record.owner_key_id):
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     return record.body
 
@@ -342,7 +343,7 @@ async def delete(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
     """Delete the stored Response ``response_id``: ``{"id", "object": "response", "deleted": true}``; 404 when
     there is none."""
     async with ctx.require_store().tx() as conn:
-        deleted = await store_responses.delete_response(conn, response_id, now=now())
+        deleted = await store_responses.delete_response(conn, response_id, now=now(), owner=accounts.scope())
     if not deleted:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     return ResponseDeleted(id=response_id).model_dump()

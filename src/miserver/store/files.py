@@ -32,6 +32,8 @@ class FileRecord:
     status: str
     status_details: str | None
     content_deleted_at: int | None
+    #: the API key that owns the file (None: made with no keys in the database)
+    owner_key_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> FileRecord:
@@ -49,11 +51,19 @@ async def insert_file(
     created_at: int,
     expires_at: int | None,
     chunks: Iterable[bytes],
+    owner_key_id: str | None = None,
 ) -> FileRecord:
-    """Insert a file record and its bytes. ``chunks`` may be of any size; they are re-cut to 1 MiB rows."""
+    """Insert a file record (owned by ``owner_key_id``) and its bytes. ``chunks`` may be of any size; they are
+    re-cut to 1 MiB rows."""
     await conn.execute(
         insert(files).values(
-            id=file_id, purpose=purpose, filename=filename, bytes=0, created_at=created_at, expires_at=expires_at
+            id=file_id,
+            purpose=purpose,
+            filename=filename,
+            bytes=0,
+            created_at=created_at,
+            expires_at=expires_at,
+            owner_key_id=owner_key_id,
         )
     )
     total = 0
@@ -107,12 +117,25 @@ class ChunkWriter:
 
 
 async def create_empty(
-    conn: AsyncConnection, *, file_id: str, purpose: str, filename: str, created_at: int, expires_at: int | None
+    conn: AsyncConnection,
+    *,
+    file_id: str,
+    purpose: str,
+    filename: str,
+    created_at: int,
+    expires_at: int | None,
+    owner_key_id: str | None = None,
 ) -> ChunkWriter:
-    """Insert an empty file record and return a writer for its bytes."""
+    """Insert an empty file record (owned by ``owner_key_id``) and return a writer for its bytes."""
     await conn.execute(
         insert(files).values(
-            id=file_id, purpose=purpose, filename=filename, bytes=0, created_at=created_at, expires_at=expires_at
+            id=file_id,
+            purpose=purpose,
+            filename=filename,
+            bytes=0,
+            created_at=created_at,
+            expires_at=expires_at,
+            owner_key_id=owner_key_id,
         )
     )
     return ChunkWriter(conn, file_id)
@@ -131,10 +154,13 @@ async def get_file(conn: AsyncConnection, file_id: str, *, lock: bool = False) -
 
 
 async def list_files(
-    conn: AsyncConnection, *, purpose: str | None, limit: int, order: str, after: str | None
+    conn: AsyncConnection, *, purpose: str | None, limit: int, order: str, after: str | None, owner: str | None = None
 ) -> tuple[list[FileRecord], bool]:
-    """One page, ordered by id (creation order) ``desc`` or ``asc``; returns the page and ``has_more``."""
+    """One page, ordered by id (creation order) ``desc`` or ``asc``, of the files of ``owner`` (None: every
+    owner's); returns the page and ``has_more``."""
     q = select(files)
+    if owner is not None:
+        q = q.where(files.c.owner_key_id == owner)
     if purpose:
         q = q.where(files.c.purpose == purpose)
     if after:

@@ -11,11 +11,20 @@ from .schema import TERMINAL_STATUSES, batch_rows, batches
 
 
 async def list_for_endpoint(
-    conn: AsyncConnection, *, endpoint: str, limit: int, after: str | None, before: str | None
+    conn: AsyncConnection,
+    *,
+    endpoint: str,
+    limit: int,
+    after: str | None,
+    before: str | None,
+    owner: str | None = None,
 ) -> tuple[list[BatchRecord], bool]:
     """The batches of ``endpoint``, newest first: the page just older than batch ``after`` (or just newer than batch
-    ``before``; neither: the newest), at most ``limit``, and whether more follow in that direction."""
+    ``before``; neither: the newest), at most ``limit``, and whether more follow in that direction. Only the batches
+    of ``owner`` (None: every owner's)."""
     q = select(batches).where(batches.c.endpoint == endpoint)
+    if owner is not None:
+        q = q.where(batches.c.owner_key_id == owner)
     if before is not None:
         q = q.where(batches.c.id > before).order_by(batches.c.id.asc())
     else:

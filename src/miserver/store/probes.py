@@ -35,6 +35,8 @@ class ProbeRecord:
     training: dict[str, Any] | None
     description: str | None
     created_at: int
+    #: the API key that made it (None: made with no keys in the database)
+    owner_key_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> ProbeRecord:
@@ -53,6 +55,7 @@ class ProbeRecord:
             training=json.loads(m["training_json"]) if m["training_json"] else None,
             description=m["description"],
             created_at=m["created_at"],
+            owner_key_id=m["owner_key_id"],
         )
 
 
@@ -72,6 +75,7 @@ async def insert_probe(conn: AsyncConnection, record: ProbeRecord) -> bool:
         "training_json": json.dumps(record.training) if record.training is not None else None,
         "description": record.description,
         "created_at": record.created_at,
+        "owner_key_id": record.owner_key_id,
     }
     dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     stmt = dialect_insert(probes).values(**values).on_conflict_do_nothing(index_elements=[probes.c.name])
@@ -83,14 +87,18 @@ async def get_probe(conn: AsyncConnection, name: str) -> ProbeRecord | None:
     return ProbeRecord.from_row(row) if row is not None else None
 
 
-async def list_probes(conn: AsyncConnection) -> list[ProbeRecord]:
-    """Every probe, oldest first (ids are time-ordered)."""
-    return [ProbeRecord.from_row(r) for r in (await conn.execute(select(probes).order_by(probes.c.id))).all()]
+async def list_probes(conn: AsyncConnection, owner: str | None = None) -> list[ProbeRecord]:
+    """Every probe of ``owner`` (None: every owner's), oldest first (ids are time-ordered)."""
+    q = select(probes) if owner is None else select(probes).where(probes.c.owner_key_id == owner)
+    return [ProbeRecord.from_row(r) for r in (await conn.execute(q.order_by(probes.c.id))).all()]
 
 
-async def delete_probe(conn: AsyncConnection, name: str) -> ProbeRecord | None:
-    """Delete the probe named ``name``; returns what was deleted, or None when there was none."""
+async def delete_probe(conn: AsyncConnection, name: str, owner: str | None = None) -> ProbeRecord | None:
+    """Delete the probe named ``name`` of ``owner`` (None: any owner's); returns what was deleted, or None when there
+    was none (or it is another owner's)."""
     record = await get_probe(conn, name)
+    if record is not None and owner is not None and record.owner_key_id != owner:
+        return None
     if record is not None:
         await conn.execute(delete(probes).where(probes.c.id == record.id))
     return record

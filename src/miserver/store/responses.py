@@ -27,6 +27,8 @@ class StoredResponse:
     expires_at: int
     body: dict[str, Any]
     turns: list[dict[str, str]]
+    #: the API key that made it (None: made with no keys in the database)
+    owner_key_id: str | None = None
 
 
 async def insert_response(conn: AsyncConnection, record: StoredResponse) -> None:
@@ -39,6 +41,7 @@ async def insert_response(conn: AsyncConnection, record: StoredResponse) -> None
             expires_at=record.expires_at,
             body_json=json.dumps(record.body),
             turns_json=json.dumps(record.turns),
+            owner_key_id=record.owner_key_id,
         )
     )
 
@@ -58,12 +61,17 @@ async def get_response(conn: AsyncConnection, response_id: str, *, now: int) -> 
         expires_at=m["expires_at"],
         body=json.loads(m["body_json"]),
         turns=json.loads(m["turns_json"]),
+        owner_key_id=m["owner_key_id"],
     )
 
 
-async def delete_response(conn: AsyncConnection, response_id: str, *, now: int) -> bool:
-    """Delete the live Response ``response_id``; False when there was none (or it had expired)."""
-    result = await conn.execute(delete(responses).where(responses.c.id == response_id, responses.c.expires_at > now))
+async def delete_response(conn: AsyncConnection, response_id: str, *, now: int, owner: str | None = None) -> bool:
+    """Delete the live Response ``response_id`` of ``owner`` (None: any owner's); False when there was none (or it
+    had expired, or it is another owner's)."""
+    cond = [responses.c.id == response_id, responses.c.expires_at > now]
+    if owner is not None:
+        cond.append(responses.c.owner_key_id == owner)
+    result = await conn.execute(delete(responses).where(*cond))
     return bool(result.rowcount)
 
 

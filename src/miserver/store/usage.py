@@ -63,8 +63,8 @@ async def record_usage(conn: AsyncConnection, usage: Usage) -> bool:
         "day": day_of(usage.created_at),
     }
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(usage_records).values(**values).on_conflict_do_nothing()
-    if (await conn.execute(stmt)).rowcount != 1:
+    stmt = dialect.insert(usage_records).values(**values).on_conflict_do_nothing().returning(usage_records.c.id)
+    if (await conn.execute(stmt)).first() is None:  # (rowcount is not reliable for an INSERT on every driver)
         return False
     if usage.cost:
         await conn.execute(
