@@ -1,0 +1,143 @@
+"""Accounts rules without a server (issue 13): keys, prices and costs, the batch verdict (revoked, insufficient
+balance with its grace and a top-up during it), token estimates, the exposure check, and the ``keys``/``usage``
+commands on a SQLite database."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from miserver.cli import main
+from miserver.errors import InvalidRequestError
+from miserver.services import accounts, billing
+from miserver.services.billing import PriceFileError, PriceTable
+from miserver.store.keys import KeyRecord
+
+
+def _key(balance: int | None = 100, revoked_at: int | None = None) -> KeyRecord:
+    return KeyRecord("key_1", "k", "sk-abcdefgh", False, balance, None, None, 0, revoked_at)
+
+
+def test_a_key_is_32_random_bytes_and_only_its_digest_is_kept() -> None:
+    key = accounts.new_key()
+    assert key.startswith("sk-") and len(base64.urlsafe_b64decode(key[3:] + "=")) == 32
+    assert accounts.new_key() != key
+    assert accounts.digest(key) == accounts.digest(key) and key not in accounts.digest(key)
+    assert len(accounts.digest(key)) == 64
+
+
+def test_key_spec_names_the_bad_field() -> None:
+    assert accounts.KeySpec.parse({"name": "a", "admin": True, "balance": 5}).balance == 5
+    for body, param in (
+        ({}, "name"),
+        ({"name": ""}, "name"),
+        ({"name": "a", "admin": "yes"}, "admin"),
+        ({"name": "a", "balance": -1}, "balance"),
+        ({"name": "a", "balance": 1.5}, "balance"),
+        ({"name": "a", "max_pending_batches": True}, "max_pending_batches"),
+        ({"name": "a", "colour": "red"}, "colour"),
+    ):
+        with pytest.raises(InvalidRequestError) as caught:
+            accounts.KeySpec.parse(body)
+        assert caught.value.param == param
+
+
+def test_prices_batch_discount_and_costs() -> None:
+    table = PriceTable.parse({"batch_discount": 0.5, "models": {"m": {"input": 3, "output": 7}, "*": {"input": 1}}})
+    assert table.realtime("m") == (3, 7) and table.realtime("other") == (1, 0)
+    assert table.batch("m") == (2, 4)  # round half to even: 1.5 -> 2, 3.5 -> 4
+    assert billing.cost((2_000_000, 4_000_000), 10, 5) == 40
+    assert billing.cost((1, 0), 499_999, 0) == 0 and billing.cost((1, 0), 500_000, 0) == 1  # half up
+    snapshot = PriceTable.parse({"models": {"m": {"input": 2_000_000, "output": 4_000_000}}}).batch_snapshot()
+    assert snapshot == {"m": [1_000_000, 2_000_000]}
+    assert billing.price_from_snapshot(snapshot, "m") == (1_000_000, 2_000_000)
+    assert billing.price_from_snapshot(snapshot, "unknown") == (0, 0) and billing.price_from_snapshot(None, "m") == (
+        0,
+        0,
+    )
+    assert not PriceTable().enabled and PriceTable.load(None).realtime("m") == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ([], "JSON object"),
+        ({"discount": 1}, "unknown field"),
+        ({"batch_discount": 2}, "batch_discount"),
+        ({"models": {"m": {"input": -1}}}, "micro-units"),
+        ({"models": {"m": {"input": 1.5}}}, "micro-units"),
+        ({"models": {"m": {"in": 1}}}, "models['m']"),
+    ],
+)
+def test_a_bad_price_file_is_refused_naming_the_field(raw: object, says: str, tmp_path: Path) -> None:
+    path = tmp_path / "prices.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PriceFileError, match=says.replace("[", r"\[")):
+        PriceTable.load(path)
+
+
+def test_batch_verdict_revoked_balance_grace_and_top_up() -> None:
+    running = SimpleNamespace(balance_waiting_since=None)
+    assert billing.batch_verdict(_key(), running, now=100, grace_seconds=0) == billing.BatchVerdict()
+    assert billing.batch_verdict(_key(None), running, now=100, grace_seconds=0) == billing.BatchVerdict()
+    revoked = billing.batch_verdict(_key(revoked_at=5), running, now=100, grace_seconds=60)
+    assert revoked.fail is not None and revoked.fail.code == "key_revoked"
+    assert billing.batch_verdict(None, running, now=100, grace_seconds=60).fail is not None
+    empty = billing.batch_verdict(_key(0), running, now=100, grace_seconds=0)
+    assert empty.fail is not None and empty.fail.code == "insufficient_quota"
+    # with a grace: wait first, fail once the grace has passed since the wait began
+    assert billing.batch_verdict(_key(-3), running, now=100, grace_seconds=60).waiting
+    waiting = SimpleNamespace(balance_waiting_since=100)
+    assert billing.batch_verdict(_key(-3), waiting, now=159, grace_seconds=60).waiting
+    assert billing.batch_verdict(_key(-3), waiting, now=160, grace_seconds=60).fail is not None
+    # a top-up during the grace: the batch goes on
+    assert billing.batch_verdict(_key(50), waiting, now=159, grace_seconds=60) == billing.BatchVerdict()
+
+
+def test_token_estimates() -> None:
+    def tokenize(text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    chat = {"messages": [{"role": "user", "content": "one two three"}, {"role": "user", "content": [
+        {"type": "text", "text": "four five"}]}], "max_tokens": 4, "n": 2}  # fmt: skip
+    assert billing.estimate_input_tokens(tokenize, chat) == 5
+    assert billing.estimate_input_tokens(tokenize, {"prompt": [[1, 2, 3], "a b"]}) == 5
+    assert billing.max_output_tokens(chat, -1) == 8
+    assert billing.max_output_tokens({"messages": []}, -1) == -1
+    assert billing.max_output_tokens({"input": "x"}, -1) == 0  # embeddings generate nothing
+
+
+def test_loopback_addresses() -> None:
+    assert all(accounts.is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.1.2.3"))
+    assert not any(accounts.is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "example.org", ""))
+
+
+def test_keys_and_usage_commands_on_the_database(tmp_path: Path) -> None:
+    runner = CliRunner()
+    db = ["--data-dir", str(tmp_path)]
+    made = runner.invoke(main, ["keys", "create", "--name", "team", "--balance", "5000000", *db])
+    assert made.exit_code == 0, made.output
+    key = made.stdout.strip().splitlines()[0]
+    assert key.startswith("sk-")
+    listed = runner.invoke(main, ["keys", "list", *db])
+    assert listed.exit_code == 0 and "team" in listed.output and key not in listed.output
+    key_id = next(w for w in listed.output.split() if w.startswith("key_"))
+    assert "5.000000" in listed.output
+    topped = runner.invoke(main, ["keys", "top-up", key_id, "1000000", *db])
+    assert topped.exit_code == 0 and "6.000000" in topped.output
+    assert runner.invoke(main, ["keys", "top-up", key_id, "0", *db]).exit_code == 1
+    assert runner.invoke(main, ["keys", "revoke", key_id, *db]).exit_code == 0
+    again = runner.invoke(main, ["keys", "revoke", key_id, *db])
+    assert again.exit_code == 1 and "already revoked" in again.output
+    usage = runner.invoke(main, ["usage", "--group-by", "model", *db])
+    assert usage.exit_code == 0 and usage.output.split()[:2] == ["model", "requests"]
+
+
+def test_serve_refuses_a_public_address_without_keys(tmp_path: Path) -> None:
+    refused = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0", "--data-dir", str(tmp_path)])
+    assert refused.exit_code == 1 and "--insecure-no-auth" in refused.output
