@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from miserver.engines.base import Generated, GenerationRequest, GenerationResult, GeneratesMany, SamplingParams
+from miserver.engines.base import Generated, GeneratesMany, GenerationRequest, GenerationResult, SamplingParams
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import load_model, resolve_model_source
 

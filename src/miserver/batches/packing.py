@@ -7,8 +7,9 @@ row as its synchronous route does and hands :func:`budget_packs` the token lengt
 prompts of scoring rows, every embedding input). Because a pack is as wide as its longest row, the planner is
 length-aware: it sorts the window's units by length and cuts packs whose ``rows x longest row`` stays within
 ``BATCH_PACK_TOKEN_BUDGET`` and whose padding stays within ``BATCH_PACK_MAX_PADDING`` of that (a unit longer than the
-budget runs alone). Generation rows (``max_tokens`` > 1) run one at a time through the synchronous code; probe rows
-never pack (their service has no many-rows call).
+budget runs alone). Generation rows (``max_tokens`` > 1) of the window decode together, ``BATCH_GENERATE_SLOTS``
+sequences per forward pass, a finished sequence's slot going to the next row (continuous batching, see
+``docs/packing.md``); probe rows never pack (their service has no many-rows call).
 
 Rows finish in pack order; the one row loop (:mod:`miserver.batches.chunks`) records each as soon as it finishes, in
 its own transaction fenced by the claim token (exactly once), and the output file is written in input order whatever
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
-from ..services.many import Plan
+from ..services.many import PackPlan, Plan
 from ..services.registry import SERVICES
 from ..settings import Settings
 from ..store.batches import BatchRecord
@@ -63,9 +64,11 @@ def budget_packs(lengths: Sequence[int], budget: int, max_padding: float = 1.0) 
     return packs
 
 
-def runner_plan(settings: Settings) -> Plan:
-    """The runner's planner: :func:`budget_packs` with ``BATCH_PACK_TOKEN_BUDGET`` and ``BATCH_PACK_MAX_PADDING``."""
-    return partial(budget_packs, budget=settings.batch_pack_token_budget, max_padding=settings.batch_pack_max_padding)
+def runner_plan(settings: Settings) -> PackPlan:
+    """The runner's planner: :func:`budget_packs` with ``BATCH_PACK_TOKEN_BUDGET`` and ``BATCH_PACK_MAX_PADDING``,
+    and ``BATCH_GENERATE_SLOTS`` sequences per decode step for generation rows."""
+    packs = partial(budget_packs, budget=settings.batch_pack_token_budget, max_padding=settings.batch_pack_max_padding)
+    return PackPlan(packs, settings.batch_generate_slots)
 
 
 def batch_plan(settings: Settings, batch: BatchRecord) -> Plan | None:

@@ -211,6 +211,8 @@ PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
     run_pack=lambda engine, units: engine.score_many(units),
     run_one=lambda engine, unit: engine.score(unit),
     execute=_execute,
+    generations=lambda p: None if p.scoring or p.req.stream else [p.gen],
+    build_generated=lambda p, results: _build(p, results[0]),
 )
 
 

@@ -237,6 +237,9 @@ PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
     run_pack=lambda engine, units: engine.score_many(units),
     run_one=lambda engine, unit: engine.score(unit),
     execute=_execute,
+    # echo with logprobs needs a scoring pass over the prompt as well: such a row runs alone
+    generations=lambda p: None if p.scoring or p.req.stream or p.prompt_k is not None else list(p.gens),
+    build_generated=lambda p, results: _build(p, [ScoreResult(r) for r in results]),
 )
 
 

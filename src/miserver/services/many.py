@@ -15,6 +15,12 @@ caller leaves the rows not yet yielded unrun. Before each row or pack ``call.sto
 rows not yet complete are not yielded (the runner's time bound, cancel and interactive-first rules live there).
 The consumer (``batches.chunks``) does not care in which order or with what concurrency outcomes arrive, so an
 executor that keeps several requests in flight plugs in behind the same iterator.
+
+Generation rows (batched generation, issue 17): under a :class:`PackPlan` with ``generate_slots`` above 1 and an
+engine with the :class:`~miserver.engines.base.GeneratesMany` capability, a service's generation rows (``Packing.
+generations``) decode together through ``generate_many`` (continuous batching, :func:`run_generations`), each row
+yielded as soon as its sequences are done. ``call.stopped()`` is asked before every decode step; once true the rows
+in flight are dropped (never yielded, so never recorded: they stay pending and run again later).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..engines.base import Engine
+from ..engines.base import Engine, GeneratesMany, GenerationRequest, GenerationResult
 from ..errors import SERVER_ERROR_MESSAGE, APIError, EngineUnavailableError, ServerError
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 
@@ -38,6 +44,32 @@ P = TypeVar("P", bound="Prepared")  # a checked row, as the service's own ``_pre
 
 #: A planner: the units' token lengths -> packs, each a list of unit indices; every index in exactly one pack.
 Plan = Callable[[Sequence[int]], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """A planner (``packs``, called as the plan) with the width of batched generation: ``generate_slots``
+    sequences decode in one forward pass (1: generation rows run one at a time). A plain :data:`Plan` means 1."""
+
+    packs: Plan
+    generate_slots: int = 1
+
+    def __call__(self, lengths: Sequence[int]) -> list[list[int]]:
+        return self.packs(lengths)
+
+
+def generate_slots(plan: Plan | None) -> int:
+    """The batched-generation width of ``plan``: its ``generate_slots`` for a :class:`PackPlan`, else 1."""
+    return plan.generate_slots if isinstance(plan, PackPlan) else 1
+
+
+def batched_generator(engine: object) -> GeneratesMany | None:
+    """``engine`` when it has the batched-generation capability (``generate_many``), else None."""
+    return engine if isinstance(engine, GeneratesMany) else None
+
+
+def _no_generations(prepared: Any) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -88,7 +120,9 @@ class Packing(Generic[P, PU, R]):
     - ``build(prepared, results)``: the row's response from its units' results, in unit order;
     - ``run_pack(engine, units)`` / ``run_one(engine, unit)``: the engine calls for a pack and for one unit;
     - ``execute(ctx, prepared, call)``: the synchronous route's computation of one prepared row (takes the
-      admission gate, or uses ``call.slot``), for the rows that do not pack.
+      admission gate, or uses ``call.slot``), for the rows that do not pack;
+    - ``generations(prepared)``: the row's generation requests when it can join batched generation, else None;
+      ``build_generated(prepared, results)`` its response from their results, in order (the synchronous code).
     """
 
     prepare: Callable[[ServiceContext, Any, Call], P]
@@ -97,6 +131,8 @@ class Packing(Generic[P, PU, R]):
     run_pack: Callable[[Engine, list[PU]], Awaitable[list[R]]]
     run_one: Callable[[Engine, PU], Awaitable[R]]
     execute: Callable[[ServiceContext, P, Call], Awaitable[ServiceResult]]
+    generations: Callable[[P], list[GenerationRequest] | None] = _no_generations
+    build_generated: Callable[[P, list[GenerationResult]], ServiceResult] | None = None
 
 
 async def run_many(
@@ -113,6 +149,8 @@ async def run_many(
     """
     rows: list[RowUnits[PU, R]] = []
     singles: list[tuple[int, P]] = []
+    generating: list[tuple[int, P, list[GenerationRequest]]] = []
+    slots = generate_slots(plan)
     engine: Engine | None = None
     for i, body in enumerate(bodies):
         try:
@@ -127,10 +165,15 @@ async def run_many(
             continue
         engine = engine or p.engine
         units = packing.units(p) if plan is not None and p.engine is engine else None
-        if units is None:
-            singles.append((i, p))
-        else:
+        gens = None
+        if units is None and slots > 1 and p.engine is engine and batched_generator(engine) is not None:
+            gens = packing.generations(p)
+        if units is not None:
             rows.append(RowUnits(i, units, partial(packing.build, p)))
+        elif gens is not None:
+            generating.append((i, p, gens))
+        else:
+            singles.append((i, p))
     packed = (
         run_rows(
             ctx,
@@ -157,6 +200,14 @@ async def run_many(
     finally:
         if packed is not None:
             await packed.aclose()  # type: ignore[attr-defined]
+    generator = batched_generator(engine)
+    if generating and generator is not None and not call.stopped():
+        generated = run_generations(packing, ctx, call, generator, generating, slots)
+        try:
+            async for outcome in generated:
+                yield outcome
+        finally:
+            await generated.aclose()  # type: ignore[attr-defined]
     for i, p in pending:
         if call.stopped():
             return
@@ -173,6 +224,75 @@ async def run_each(
         if call.stopped():
             return
         yield await run_single(create, ctx, body, call, i)
+
+
+async def run_generations(
+    packing: Packing[P, Any, Any],
+    ctx: ServiceContext,
+    call: Call,
+    engine: GeneratesMany,
+    rows: list[tuple[int, P, list[GenerationRequest]]],
+    slots: int,
+) -> AsyncIterator[Outcome]:
+    """Batched generation of ``rows`` (``(row index, prepared row, its generation requests)``) under the admission
+    gate (or ``call.slot``): their requests go to ``engine.generate_many`` with ``slots``; a row is yielded once all
+    its requests are done, built by ``packing.build_generated``, ``packed`` when any of its sequences shared a
+    forward pass. ``call.stopped()`` is asked before every decode step; once true the rows in flight are dropped.
+
+    A request the engine refuses (``ValueError``) fails its row as a server error, as the synchronous route does; when
+    the whole batched run fails (a server fault), the rows not yet yielded run one at a time through ``execute``.
+    Re-raises :class:`~miserver.errors.EngineUnavailableError`.
+    """
+    build = packing.build_generated
+    assert build is not None, "a service with generations must say how to build their rows"
+    flat = [(r, k) for r, (_, _, gens) in enumerate(rows) for k in range(len(gens))]
+    requests = [rows[r][2][k] for r, k in flat]
+    results: list[list[GenerationResult | ValueError | None]] = [[None] * len(gens) for _, _, gens in rows]
+    left = [len(gens) for _, _, gens in rows]
+    packed = [False] * len(rows)
+    done = [False] * len(rows)
+    failed = False
+    async with ctx.gate.hold(call.priority, call.slot):
+        stream = engine.generate_many(requests, slots=slots, should_stop=call.stopped)
+        try:
+            async for item in stream:
+                r, k = flat[item.index]
+                results[r][k] = item.result
+                packed[r] = packed[r] or item.packed
+                left[r] -= 1
+                if left[r] == 0:
+                    done[r] = True
+                    yield _finish_generated(build, rows[r][0], rows[r][1], results[r], packed[r])
+        except EngineUnavailableError:
+            raise
+        except Exception:
+            log.exception("batched generation of %d rows failed; running the rest one at a time", len(rows))
+            failed = True
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+    if failed:
+        for r, (index, p, _) in enumerate(rows):
+            if not done[r] and not call.stopped():
+                yield await run_single(packing.execute, ctx, p, call, index)
+
+
+def _finish_generated(
+    build: Callable[[Any, list[GenerationResult]], ServiceResult],
+    index: int,
+    prepared: Any,
+    results: list[GenerationResult | ValueError | None],
+    packed: bool,
+) -> Outcome:
+    failed = next((x for x in results if not isinstance(x, GenerationResult)), None)
+    if failed is not None:
+        log.error("row %d: the engine refused a generation: %r", index, failed)
+        return Outcome(index, ServerError(SERVER_ERROR_MESSAGE), False)
+    try:
+        return Outcome(index, build(prepared, [x for x in results if isinstance(x, GenerationResult)]), packed)
+    except APIError as exc:
+        return Outcome(index, exc, False)
+    except Exception:
+        return server_error(index, "building the response failed")
 
 
 def server_error(index: int, what: str) -> Outcome:
