@@ -1,0 +1,98 @@
+"""Gateway mode's pure rules (issue 12): upstream entries, the error-envelope table, Retry-After and backoff, pool
+routing. The behaviour against real upstream processes is in ``tests/e2e/test_gateway.py``."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import httpx
+import pytest
+
+from miserver.engines.upstream.client import ServedModel, Upstream, read_models
+from miserver.engines.upstream.config import Timeouts, parse_entry, parse_upstreams
+from miserver.engines.upstream.errors import normalize_error, stream_error
+from miserver.engines.upstream.pool import RetryPolicy, UpstreamPool, retry_after
+
+
+def test_entries_with_options_and_the_problems_of_bad_ones() -> None:
+    a = parse_entry("gpu1=http://10.0.0.5:8001;max_in_flight=32;api_key_env=VLLM_KEY")
+    assert (a.name, a.base_url, a.max_in_flight, a.api_key_env) == ("gpu1", "http://10.0.0.5:8001/v1", 32, "VLLM_KEY")
+    assert a.api_key({"VLLM_KEY": "s3"}) == "s3" and a.api_key({}) is None
+    assert parse_entry("b=https://h/v1/", 4).base_url == "https://h/v1"
+    assert parse_entry("b=http://h", 4).max_in_flight == 4
+    configs, problems = parse_upstreams(["a=http://x:1, b=ftp://y", "c", "a=http://z:2", "d=http://w;max_in_flight=0"])
+    assert [c.name for c in configs] == ["a"]
+    assert len(problems) == 4
+    assert "'b'" in problems[0] and "not an http(s) URL" in problems[0]
+    assert "NAME=URL" in problems[1] and "more than once" in problems[2] and "max_in_flight" in problems[3]
+
+
+INVALID = "invalid_request_error"
+DIALECTS = [  # (engine's body, message, type, param, code)
+    ({"error": {"message": "bad", "type": "BadRequestError", "param": "n", "code": 400}},
+     "bad", "BadRequestError", "n", None),
+    ({"object": "error", "message": "too long", "type": "BadRequestError", "param": None, "code": 400},
+     "too long", "BadRequestError", None, None),
+    ({"error": "Input validation error", "error_type": "validation"}, "Input validation error", INVALID, None,
+     "validation"),
+    ({"error": "model 'x' not found"}, "model 'x' not found", INVALID, None, None),
+    ({"detail": [{"loc": ["body", "n"], "msg": "field required"}]}, "field required", INVALID, None, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, message, kind, param, code", DIALECTS)
+def test_every_engine_envelope_becomes_openais(
+    body: dict[str, object], message: str, kind: str, param: str | None, code: str | None
+) -> None:
+    error = normalize_error(400, json.dumps(body).encode(), "up")["error"]
+    assert error == {"message": message, "type": kind, "param": param, "code": code}
+
+
+def test_bodies_that_say_nothing_and_the_type_by_status() -> None:
+    assert normalize_error(502, b"<html>Bad Gateway</html>", "up")["error"]["message"] == "<html>Bad Gateway</html>"
+    silent = normalize_error(503, b"", "up")["error"]
+    assert silent["message"] == "The upstream 'up' answered HTTP 503." and silent["type"] == "server_error"
+    assert normalize_error(429, b"{}", "up")["error"]["type"] == "rate_limit_error"
+    assert normalize_error(401, b"", "up")["error"]["type"] == "authentication_error"
+
+
+def test_an_error_chunk_inside_a_stream() -> None:
+    assert stream_error({"choices": [{"delta": {"content": "x"}}]}) is None
+    sglang = stream_error({"object": "error", "message": "oom", "type": "InternalServerError", "code": 500})
+    assert sglang is not None and sglang["error"]["message"] == "oom"
+    vllm = stream_error({"error": {"message": "engine dead", "type": "EngineDeadError", "code": 500}})
+    assert vllm is not None and vllm["error"]["type"] == "EngineDeadError"
+
+
+def test_retry_after_and_the_backoff() -> None:
+    assert retry_after(httpx.Headers({"Retry-After": "7"})) == 7.0
+    later = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    assert 25 < (retry_after(httpx.Headers({"Retry-After": later})) or 0) <= 30
+    assert retry_after(httpx.Headers({})) is None and retry_after(httpx.Headers({"Retry-After": "soon"})) is None
+    policy = RetryPolicy(max_attempts=5, base=1.0, cap=8.0)
+    for attempt, top in [(0, 1.0), (1, 2.0), (3, 8.0), (9, 8.0)]:
+        delays = [policy.delay(attempt, None) for _ in range(50)]
+        assert all(top / 2 <= d <= top for d in delays)
+    assert policy.delay(0, 20.0) == 20.0 and policy.delay(0, 3600.0) == 60.0  # Retry-After wins, capped
+
+
+def test_models_listing_and_the_pool_routing() -> None:
+    listed = read_models({"data": [{"id": "m", "max_model_len": 4096}, {"id": "n"}, {"id": 3}, "x"]})
+    assert listed == [ServedModel("m", 4096), ServedModel("n", None)]
+    a = Upstream(parse_entry("a=http://127.0.0.1:1;max_in_flight=2"), Timeouts())
+    b = Upstream(parse_entry("b=http://127.0.0.1:2;max_in_flight=4"), Timeouts())
+    pool = UpstreamPool("m")
+    pool.join(a)
+    pool.join(b)
+    pool.join(a)
+    assert pool.gate.slots == 6 and pool.members == [a, b]
+    assert pool.pick() is None and not pool.live  # nobody answered a probe yet
+    a.models, b.models = [ServedModel("m", 4096)], [ServedModel("m", 2048)]
+    a.live = b.live = True
+    assert pool.info.context_length == 2048 and pool.info.backend == "upstream:a,b"
+    a.in_flight = 1
+    assert pool.pick() is b and pool.pick(avoid=b) is a
+    b.live = False
+    assert pool.pick(avoid=a) is a  # the one that failed, when it is the only live member
