@@ -141,3 +141,16 @@ def test_keys_and_usage_commands_on_the_database(tmp_path: Path) -> None:
 def test_serve_refuses_a_public_address_without_keys(tmp_path: Path) -> None:
     refused = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0", "--data-dir", str(tmp_path)])
     assert refused.exit_code == 1 and "--insecure-no-auth" in refused.output
+
+
+def test_usage_read_from_stream_events() -> None:
+    chat = json.dumps(
+        {"object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
+    )
+    assert billing._stream_usage(chat) == (9, 4)
+    assert billing._stream_usage(json.dumps({"choices": [{"delta": {"content": "usage"}}]})) is None
+    completed = {"type": "response.completed", "response": {"usage": {"input_tokens": 7, "output_tokens": 3}}}
+    assert billing._stream_usage("event: response.completed\ndata: " + json.dumps(completed)) == (7, 3)
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 11, "output_tokens": 1}}}
+    assert billing._stream_usage("event: message_start\ndata: " + json.dumps(start)) == (11, 1)
+    assert billing._stream_usage("data: [DONE]") is None

@@ -172,7 +172,10 @@ def _stream_usage(payload: str) -> tuple[int, int] | None:
         event = json.loads(text)
     except json.JSONDecodeError:
         return None
-    usage = event.get("usage") or (event.get("response") or {}).get("usage")
+    if not isinstance(event, dict):
+        return None
+    nested = event.get("response") or event.get("message") or {}
+    usage = event.get("usage") or (nested.get("usage") if isinstance(nested, dict) else None)
     if not isinstance(usage, dict):
         return None
     i = usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
@@ -211,9 +214,11 @@ def billed(endpoint: str, create: Create) -> Create:
         model = str(result.headers.get("X-miLLM-Model", ""))
 
         async def events() -> AsyncIterator[str]:
-            seen: tuple[int, int] | None = None
+            seen: tuple[int, int] | None = None  # Anthropic's stream tells input and output in separate events
             async for payload in result.events:
-                seen = _stream_usage(payload) or seen
+                found = _stream_usage(payload)
+                if found is not None:
+                    seen = found if seen is None else (max(seen[0], found[0]), max(seen[1], found[1]))
                 yield payload
             if seen is not None:
                 await record_realtime(store, prices, principal, endpoint, model, *seen, random_id("req_"))
