@@ -106,7 +106,7 @@ class Settings(BaseSettings):
         "where wider packs cost little",
     )
     batch_generate_slots: int = Field(
-        8,
+        16,
         validation_alias=_env("BATCH_GENERATE_SLOTS"),
         ge=1,
         description="sequences of a pack: true batch's generation rows that decode in one forward pass (continuous "

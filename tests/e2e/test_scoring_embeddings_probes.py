@@ -159,6 +159,33 @@ def test_completion_scoring_rows_in_packs(server: ServerProcess) -> None:
     assert first["token_logprobs"][0] is None and first["tokens"][0] == "and"
 
 
+def test_generation_rows_decode_together_under_pack_true(server: ServerProcess) -> None:
+    """Batched generation (issue 17): generation rows of a pack: true window share decode steps and say so; at
+    temperature 0 each gets the synchronous answer (text, finish reason, usage; logprobs within rounding)."""
+    client = server.client()
+    http = server.http()
+    chat = [
+        {"model": "tiny", "messages": [{"role": "user", "content": t}], "max_tokens": 3 + 2 * i, "temperature": 0}
+        for i, t in enumerate(TEXTS)
+    ]
+    chat[1] |= {"logprobs": True, "top_logprobs": 2}
+    chat.append({**chat[0], "n": 2, "temperature": 0.8, "seed": 5})
+    out, err = run_batch(client, "/v1/chat/completions", chat, pack=True)
+    assert not err
+    for i, body in enumerate(chat):
+        response = out[f"r{i}"]["response"]
+        assert response["millm"]["packed"] is True
+        assert close(strip_ids(response["body"]), strip_ids(http.post("/v1/chat/completions", json=body).json()))
+    texts = [{"model": "tiny", "prompt": [t, "so " + t], "max_tokens": 4, "temperature": 0, "echo": True}
+             for t in TEXTS[:2]]  # fmt: skip
+    out, err = run_batch(client, "/v1/completions", texts, pack=True)
+    assert not err
+    for i, body in enumerate(texts):
+        response = out[f"r{i}"]["response"]
+        assert response["millm"]["packed"] is True
+        assert strip_ids(response["body"]) == strip_ids(http.post("/v1/completions", json=body).json())
+
+
 def test_embedding_rows_pack_false_equal_sync_and_pack_true_agrees(server: ServerProcess) -> None:
     client = server.client()
     http = server.http()

@@ -32,7 +32,7 @@ def body(text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
 
 
 BODIES = [
-    body("tell me about the sea", 24),
+    body("tell me about the sea", 16),
     body("hi", 2),
     body("why is the sky blue?", 6, logprobs=True, top_logprobs=2),
     body("x " * 600, 4),  # longer than the context: fails alone, as the synchronous route answers it
@@ -90,7 +90,7 @@ async def test_generation_rows_decode_together(engine: LocalEngine, store: Store
         assert got["usage"] == want["usage"]
     tokens = [t["token"] for t in done["r2"]["response"]["body"]["choices"][0]["logprobs"]["content"]]
     assert tokens == [t["token"] for t in singles["r2"]["choices"][0]["logprobs"]["content"]]
-    # r1 (2 tokens) leaves long before r0 (24 tokens) that started beside it; refused and scoring rows come first
+    # r1 (2 tokens) leaves long before r0 (16 tokens) that started beside it; refused and scoring rows come first
     assert recorded_order.index("r1") < recorded_order.index("r0")
     assert recorded_order[-1] == "r0"
 
@@ -100,7 +100,7 @@ async def test_an_interactive_request_ends_the_packed_decode_at_a_step(
 ) -> None:
     gate = AdmissionGate(1)
     ctx = ServiceContext(engine=engine, gate=gate, rng=random.Random(0), store=store)
-    bodies = [body("hi", 2), body("tell me about the sea", 30), body("and the ships", 30), body("ok", 3)]
+    bodies = [body("hi", 2), body("tell me about the sea", 20), body("and the ships", 20), body("ok", 3)]
     rows = await claimed_batch(store, bodies, "t1")
     slot = await gate.acquire(Priority.BATCH)  # the chunk's slot, as the runner holds it
     waiter: list[asyncio.Task[Any]] = []
