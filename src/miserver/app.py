@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from .api import health as health_api
 from .api import inference as inference_api
 from .api import leases as leases_api
 from .api import models as models_api
+from .api import operations as operations_api
 from .api import probes as probes_api
 from .api import responses as responses_api
 from .api.common import AppState
@@ -30,6 +32,7 @@ from .api.openapi import install_openapi
 from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
 from .events import ProgressEvents
 from .ids import now, random_id
+from .metrics import Metrics
 from .protocol.common import param_path
 from .runtime import EngineFactory, start_runtime
 from .settings import Settings
@@ -99,6 +102,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     """
     settings = settings or Settings()
     events = ProgressEvents(poll_seconds=settings.batch_poll_seconds)
+    metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -114,6 +118,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         )
         task = asyncio.create_task(runtime.runner.run(), name="miserver-batch-runner")
         events.start()
+        sampler = asyncio.create_task(metrics.sample_busy(lambda: runtime.ctx.gate), name="miserver-metrics-sampler")
         engine = runtime.ctx.engine
         model_id = engine.info.model_id if engine else None
         log.info("miServer ready: model %s, database %s", model_id, runtime.store.url.split(":")[0])
@@ -121,6 +126,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             yield
         finally:
             runtime.runner.stop()
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await events.stop()
@@ -142,7 +150,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     @app.middleware("http")
     async def request_id(request: Request, call_next: Callable[[Request], Any]) -> Response:
         rid = request.headers.get("x-request-id") or random_id("req_")
+        started = time.perf_counter()
         response: Response = await call_next(request)
+        metrics.observe(request.url.path, time.perf_counter() - started)  # interactive latency (/metrics)
         response.headers["x-request-id"] = rid
         return response
 
@@ -175,8 +185,10 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(probes_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(operations_api.router)
     install_openapi(app)  # /openapi.json (built at its first request, from every route) and the offline /docs
     app.state.events = events
+    app.state.metrics = metrics
     return app
 
 
