@@ -10,12 +10,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .api import accounts as accounts_api
 from .api import anthropic as anthropic_api
 from .api import batches as batches_api
 from .api import embeddings as embeddings_api
@@ -23,6 +24,7 @@ from .api import files as files_api
 from .api import health as health_api
 from .api import inference as inference_api
 from .api import leases as leases_api
+from .api import model_life as model_life_api
 from .api import models as models_api
 from .api import operations as operations_api
 from .api import probes as probes_api
@@ -35,6 +37,7 @@ from .ids import now, random_id
 from .metrics import Metrics
 from .protocol.common import param_path
 from .runtime import EngineFactory, start_runtime
+from .services import accounts
 from .settings import Settings
 
 log = logging.getLogger("miserver")
@@ -106,7 +109,14 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await start_runtime(settings, engine_factory=engine_factory, on_change=events.notify)
+        runtime = await start_runtime(
+            settings, engine_factory=engine_factory, on_change=events.notify, on_model_loading=events.model_loading
+        )
+        try:
+            await accounts.refuse_open_exposure(runtime.store, settings.host, settings.insecure_no_auth)
+        except BaseException:
+            await runtime.close()
+            raise
         events.bind(runtime.store)
         app.state.miserver = AppState(
             settings=settings,
@@ -142,6 +152,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         docs_url=None,  # the offline /docs of install_openapi replaces FastAPI's CDN page
         redoc_url=None,  # ReDoc loads its script and fonts from a CDN: turned off
     )
+    # every route needs an API key once one exists (services/accounts.py); with none the server stays open
+    app.router.dependencies.append(Depends(accounts.authenticate))
     app.add_middleware(ServerErrors)  # innermost: the 500 still gets x-request-id
     # gzip for clients that ask (Accept-Encoding); Server-Sent Events are never compressed
     app.add_middleware(GZipMiddleware, minimum_size=1024)
@@ -186,6 +198,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(operations_api.router)
+    app.include_router(model_life_api.router)
+    app.include_router(accounts_api.router)
     install_openapi(app)  # /openapi.json (built at its first request, from every route) and the offline /docs
     app.state.events = events
     app.state.metrics = metrics
