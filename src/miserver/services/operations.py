@@ -22,6 +22,7 @@ from ..store import files as store_files
 from ..store import message_batches as store_message_batches
 from ..store import operations as store_operations
 from ..store.batches import BatchRecord, StaleStatus
+from . import accounts
 from . import batches as batches_service
 
 #: The statuses a pause or a resume applies to (dispatch stops at the next row boundary; validation goes on).
@@ -36,8 +37,9 @@ RESULT_STATUSES = {"succeeded": "ok", "failed": "error"}
 
 
 async def _get(conn: AsyncConnection, batch_id: str) -> BatchRecord:
+    """The batch, or 404 ``not_found`` (also for another key's batch)."""
     batch = await store_batches.get_batch(conn, batch_id)
-    if batch is None:
+    if batch is None or not accounts.visible(batch.owner_key_id):
         raise batches_service.not_found(batch_id)
     return batch
 

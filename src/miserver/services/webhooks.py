@@ -22,6 +22,7 @@ from ..protocol.common import parse_request
 from ..protocol.webhooks import WebhookCreateRequest, WebhookObject
 from ..store import Store
 from ..store import outbox as store_outbox
+from . import accounts
 from .common import decode_json
 
 #: The events an endpoint may subscribe to (``batch.progress`` is not sent by this release).
@@ -84,9 +85,12 @@ def check(body: Any) -> WebhookCreateRequest:
     return req
 
 
-async def create(store: Store, raw: bytes, *, allow_private: bool, owner_key_id: str | None = None) -> dict[str, Any]:
-    """Register an endpoint; returns its object with the secret (shown this once). Raises 400 for the body and for a
-    refused destination (param ``url``)."""
+async def create(store: Store, raw: bytes, *, allow_private: bool) -> dict[str, Any]:
+    """Register an endpoint for the calling key (it receives the events of that key's batches; without keys, or for
+    an admin key, of every batch); returns its object with the secret (shown this once). Raises 400 for the body
+    and for a refused destination (param ``url``)."""
+    principal = accounts.current()
+    owner_key_id = None if principal.admin else principal.owner
     req = check(decode_json(raw))
     try:
         await check_destination(req.url, allow_private=allow_private)
@@ -102,9 +106,9 @@ async def create(store: Store, raw: bytes, *, allow_private: bool, owner_key_id:
 
 
 async def list_all(store: Store) -> list[dict[str, Any]]:
-    """Every endpoint, oldest first, without secrets."""
+    """The caller's endpoints (every one for an admin), oldest first, without secrets."""
     async with store.tx() as conn:
-        found = await store_outbox.list_webhooks(conn)
+        found = [w for w in await store_outbox.list_webhooks(conn) if accounts.visible(w.owner_key_id)]
     return [
         WebhookObject(id=w.id, url=w.url, events=w.events, created_at=w.created_at).model_dump(exclude={"secret"})
         for w in found
@@ -114,6 +118,11 @@ async def list_all(store: Store) -> list[dict[str, Any]]:
 async def delete(store: Store, webhook_id: str) -> dict[str, Any]:
     """Delete an endpoint (its undelivered events go with it); 404 ``not_found`` when there is none."""
     async with store.tx() as conn:
-        if not await store_outbox.delete_webhook(conn, webhook_id):
+        found = await store_outbox.get_webhook(conn, webhook_id)
+        if (
+            found is None
+            or not accounts.visible(found.owner_key_id)
+            or not await store_outbox.delete_webhook(conn, webhook_id)
+        ):
             raise NotFoundError(f"No such webhook endpoint: {webhook_id}", param="webhook_id")
     return {"id": webhook_id, "object": "webhook_endpoint", "deleted": True}
