@@ -44,10 +44,10 @@ BODIES = [
 async def run_window(
     ctx: ServiceContext, store: Store, rows: list[sr.ClaimedRow], plan: Any, order: list[str], **kwargs: Any
 ) -> chunks.ChunkReport:
+    options: dict[str, Any] = {"slot": None, "time_limit": 3600, **kwargs}
     return await chunks.run_chunk(ctx=ctx, store=store, service=SERVICES["/v1/chat/completions"], batch_id="batch_1",
-                                  token="t1", rows=rows, plan=plan, lease=None, time_limit=3600,
-                                  stopping=lambda: False, on_change=lambda _id: None,
-                                  **{"slot": None, **kwargs})  # fmt: skip
+                                  token="t1", rows=rows, plan=plan, lease=None, stopping=lambda: False,
+                                  on_change=lambda _id: None, **options)  # fmt: skip
 
 
 @pytest.fixture
@@ -132,3 +132,16 @@ async def test_an_interactive_request_ends_the_packed_decode_at_a_step(
     done = await results(store)
     assert sorted(done) == ["r0", "r1", "r2", "r3"]
     assert all(line["response"]["status_code"] == 200 for line in done.values())
+
+
+async def test_the_time_bound_lets_the_rows_in_flight_finish(engine: LocalEngine, store: Store) -> None:
+    ctx = ServiceContext(engine=engine, gate=AdmissionGate(1), rng=random.Random(0), store=store)
+    bodies = [body("hi", 2), body("tell me about the sea", 8), body("and the ships", 8), body("ok", 3)]
+    rows = await claimed_batch(store, bodies, "t1")
+    before = engine.executions
+    # The time bound is spent as soon as the first row is recorded: no new row starts, the two in flight finish.
+    report = await run_window(ctx, store, rows, packing.runner_plan(SETTINGS), [], time_limit=0.0)
+    assert report.recorded == 3 and engine.executions - before == 3
+    assert sorted(await results(store)) == ["r0", "r1", "r2"]
+    async with store.tx() as conn:
+        assert await sr.count_pending(conn, "batch_1") == 1

@@ -10,7 +10,9 @@ Every batch row, packed or not, whatever the endpoint, passes through :func:`run
    the runner is stopping, or a cancel arrived (read in the transaction of every record); and, once at least one
    row was recorded (a chunk always makes progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is spent or an
    interactive request waits for the gate (interactive first, DESIGN §5). A row or pack that already started
-   always finishes and is recorded.
+   always finishes and is recorded. Batched generation keeps many rows in flight and asks before every decode step:
+   all rules but the time bound (``Call.interrupt``) end it at once, dropping its rows in flight unrecorded (they
+   stay pending); the time bound only stops new rows from starting while the rows in flight finish.
 
 Rows left unrecorded stay pending; the caller releases the claim. Because the loop only consumes an async iterator of
 outcomes, an executor that keeps several requests in flight (an upstream pool, batched generation) plugs into the
@@ -110,17 +112,24 @@ async def run_chunk(
     report = ChunkReport()
     started = time.monotonic()
 
-    def should_stop() -> bool:
+    def interrupted() -> bool:  # the rules that also end work in flight (batched generation drops its rows)
         if stopping() or report.cancelled or report.paused or report.claim_lost or report.out_of_balance:
             return True
         if report.recorded == 0:
             return False  # a chunk always makes progress: its first row or pack runs
-        if time.monotonic() - started > time_limit:
-            return True
         return yield_to_interactive and ctx.gate.queue_length(Priority.INTERACTIVE) > 0
 
+    def should_stop() -> bool:  # and the time bound: no new row or pack starts (rows in flight finish)
+        return interrupted() or (report.recorded > 0 and time.monotonic() - started > time_limit)
+
     call = Call(
-        strict=True, priority=Priority.BATCH, slot=slot, lease=lease, should_stop=should_stop, deadline=deadline
+        strict=True,
+        priority=Priority.BATCH,
+        slot=slot,
+        lease=lease,
+        should_stop=should_stop,
+        deadline=deadline,
+        interrupt=interrupted,
     )
     bodies = [json.loads(r.body) for r in rows]
     outcomes = service.create_many(ctx, bodies, call, plan)

@@ -214,11 +214,13 @@ class GeneratesMany(Protocol):
         *,
         slots: int,
         should_stop: Callable[[], bool] | None = None,
+        should_drain: Callable[[], bool] | None = None,
     ) -> AsyncIterator[Generated]:
         """Run ``requests`` with up to ``slots`` sequences per forward pass, a finished sequence's slot going to the
         next waiting request; yield each request as soon as all its sequences are done (in no particular order).
         ``should_stop()`` is asked (on the caller's thread) before every decode step: once true the iterator ends
-        and the requests in flight are not yielded (their work is dropped)."""
+        and the requests in flight are not yielded (their work is dropped). Once ``should_drain()`` is true no
+        waiting request starts; the iterator ends when those in flight are done (the rest are never yielded)."""
         ...
 
 

@@ -47,6 +47,10 @@ class Call:
 
     ``should_stop``, when set, is asked by a many-rows call (``create_many``) before each pack or row it starts;
     once it answers true the remaining rows are left unrun and not yielded (the batch runner's time bound).
+    ``interrupt``, when set, holds the part of those rules that must also end work already in flight (a waiting
+    interactive request, a cancel, the runner stopping; not the time bound): batched generation asks it before every
+    decode step and drops the rows in flight once it is true, while ``should_stop`` alone only stops new rows from
+    starting (the rows in flight finish). Without ``interrupt``, ``should_stop`` plays both parts.
     """
 
     strict: bool = False
@@ -57,8 +61,14 @@ class Call:
     #: Unix seconds after which a batch row is no longer sent (the batch's ``expires_at``); None for a request
     deadline: float | None = None
 
+    interrupt: Callable[[], bool] | None = None
+
     def stopped(self) -> bool:
         return self.should_stop is not None and self.should_stop()
+
+    def interrupted(self) -> bool:
+        """Whether work in flight must end now: ``interrupt()``, or ``should_stop()`` when no ``interrupt``."""
+        return self.interrupt() if self.interrupt is not None else self.stopped()
 
 
 @dataclass

@@ -19,8 +19,9 @@ executor that keeps several requests in flight plugs in behind the same iterator
 Generation rows (batched generation, issue 17): under a :class:`PackPlan` with ``generate_slots`` above 1 and an
 engine with the :class:`~miserver.engines.base.GeneratesMany` capability, a service's generation rows (``Packing.
 generations``) decode together through ``generate_many`` (continuous batching, :func:`run_generations`), each row
-yielded as soon as its sequences are done. ``call.stopped()`` is asked before every decode step; once true the rows
-in flight are dropped (never yielded, so never recorded: they stay pending and run again later).
+yielded as soon as its sequences are done. ``call.interrupted()`` is asked before every decode step; once true the
+rows in flight are dropped (never yielded, so never recorded: they stay pending and run again later); ``call.stopped()``
+alone (the time bound) only stops new rows from starting.
 """
 
 from __future__ import annotations
@@ -237,7 +238,9 @@ async def run_generations(
     """Batched generation of ``rows`` (``(row index, prepared row, its generation requests)``) under the admission
     gate (or ``call.slot``): their requests go to ``engine.generate_many`` with ``slots``; a row is yielded once all
     its requests are done, built by ``packing.build_generated``, ``packed`` when any of its sequences shared a
-    forward pass. ``call.stopped()`` is asked before every decode step; once true the rows in flight are dropped.
+    forward pass. Before every decode step ``call.interrupted()`` is asked, and once true the rows in flight are
+    dropped (never yielded); once ``call.stopped()`` alone is true (the time bound) no new row starts and the rows in
+    flight finish.
 
     A request the engine refuses (``ValueError``) fails its row as a server error, as the synchronous route does; when
     the whole batched run fails (a server fault), the rows not yet yielded run one at a time through ``execute``.
@@ -253,7 +256,7 @@ async def run_generations(
     done = [False] * len(rows)
     failed = False
     async with ctx.gate.hold(call.priority, call.slot):
-        stream = engine.generate_many(requests, slots=slots, should_stop=call.stopped)
+        stream = engine.generate_many(requests, slots=slots, should_stop=call.interrupted, should_drain=call.stopped)
         try:
             async for item in stream:
                 r, k = flat[item.index]

@@ -136,6 +136,12 @@ class BatchDecoder:
         """Requests started and not finished (what an early stop leaves unrecorded)."""
         return sorted(self._left)
 
+    def drain(self) -> list[int]:
+        """Start no more requests: the waiting ones are given up (returned, never run); those in flight go on."""
+        given_up = list(self.waiting)
+        self.waiting.clear()
+        return given_up
+
     def admit(self) -> list[int]:
         """The waiting requests that start at the next :meth:`step`, in order, while their sequences fit the free
         slots (pure bookkeeping: call it between steps, from any thread)."""

@@ -155,12 +155,14 @@ class LocalEngine:
         *,
         slots: int,
         should_stop: Callable[[], bool] | None = None,
+        should_drain: Callable[[], bool] | None = None,
     ) -> AsyncIterator[Generated]:
         """Continuous batching (``batched.BatchDecoder``): up to ``slots`` sequences per decode step, a finished
         sequence's slot refilled from the waiting requests; each request yielded when all its sequences are done.
 
         Each decode step is one job on the engine thread; between steps ``should_stop()`` is asked on the caller's
-        thread, and once true the iterator ends, dropping the requests in flight. A request is counted
+        thread, and once true the iterator ends, dropping the requests in flight; once ``should_drain()`` is true no
+        waiting request starts any more and the iterator ends when the requests in flight are done. A request is counted
         (``executions``, ``on_execute``) when it starts. With ``slots`` 1, or a model whose cache cannot be batched
         (sliding-window layers), the requests run one at a time through :meth:`generate`. A request that
         :meth:`generate` refuses (``ValueError``) is yielded with that error as its result.
@@ -168,7 +170,7 @@ class LocalEngine:
         loaded = self.loaded
         if slots <= 1 or not self._batchable():
             for i, request in enumerate(requests):
-                if should_stop is not None and should_stop():
+                if (should_stop is not None and should_stop()) or (should_drain is not None and should_drain()):
                     return
                 try:
                     yield Generated(i, await self.generate(request), False)
@@ -192,6 +194,10 @@ class LocalEngine:
         while not decoder.done:
             if should_stop is not None and should_stop():
                 return
+            if should_drain is not None and should_drain():
+                decoder.drain()
+                if not decoder.in_flight:
+                    return
             admitted = decoder.admit()
             for r in admitted:
                 self._count(requests[r])
