@@ -6,15 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .api import accounts as accounts_api
 from .api import anthropic as anthropic_api
 from .api import batches as batches_api
 from .api import embeddings as embeddings_api
@@ -22,7 +24,9 @@ from .api import files as files_api
 from .api import health as health_api
 from .api import inference as inference_api
 from .api import leases as leases_api
+from .api import model_life as model_life_api
 from .api import models as models_api
+from .api import operations as operations_api
 from .api import probes as probes_api
 from .api import responses as responses_api
 from .api.common import AppState
@@ -30,8 +34,10 @@ from .api.openapi import install_openapi
 from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
 from .events import ProgressEvents
 from .ids import now, random_id
+from .metrics import Metrics
 from .protocol.common import param_path
 from .runtime import EngineFactory, start_runtime
+from .services import accounts
 from .settings import Settings
 
 log = logging.getLogger("miserver")
@@ -99,10 +105,18 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     """
     settings = settings or Settings()
     events = ProgressEvents(poll_seconds=settings.batch_poll_seconds)
+    metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await start_runtime(settings, engine_factory=engine_factory, on_change=events.notify)
+        runtime = await start_runtime(
+            settings, engine_factory=engine_factory, on_change=events.notify, on_model_loading=events.model_loading
+        )
+        try:
+            await accounts.refuse_open_exposure(runtime.store, settings.host, settings.insecure_no_auth)
+        except BaseException:
+            await runtime.close()
+            raise
         events.bind(runtime.store)
         app.state.miserver = AppState(
             settings=settings,
@@ -114,6 +128,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         )
         task = asyncio.create_task(runtime.runner.run(), name="miserver-batch-runner")
         events.start()
+        sampler = asyncio.create_task(metrics.sample_busy(lambda: runtime.ctx.gate), name="miserver-metrics-sampler")
         engine = runtime.ctx.engine
         model_id = engine.info.model_id if engine else None
         log.info("miServer ready: model %s, database %s", model_id, runtime.store.url.split(":")[0])
@@ -121,6 +136,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             yield
         finally:
             runtime.runner.stop()
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await events.stop()
@@ -134,6 +152,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         docs_url=None,  # the offline /docs of install_openapi replaces FastAPI's CDN page
         redoc_url=None,  # ReDoc loads its script and fonts from a CDN: turned off
     )
+    # every route needs an API key once one exists (services/accounts.py); with none the server stays open
+    app.router.dependencies.append(Depends(accounts.authenticate))
     app.add_middleware(ServerErrors)  # innermost: the 500 still gets x-request-id
     # gzip for clients that ask (Accept-Encoding); Server-Sent Events are never compressed
     app.add_middleware(GZipMiddleware, minimum_size=1024)
@@ -142,7 +162,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     @app.middleware("http")
     async def request_id(request: Request, call_next: Callable[[Request], Any]) -> Response:
         rid = request.headers.get("x-request-id") or random_id("req_")
+        started = time.perf_counter()
         response: Response = await call_next(request)
+        metrics.observe(request.url.path, time.perf_counter() - started)  # interactive latency (/metrics)
         response.headers["x-request-id"] = rid
         return response
 
@@ -175,8 +197,12 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(probes_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(operations_api.router)
+    app.include_router(model_life_api.router)
+    app.include_router(accounts_api.router)
     install_openapi(app)  # /openapi.json (built at its first request, from every route) and the offline /docs
     app.state.events = events
+    app.state.metrics = metrics
     return app
 
 

@@ -2,7 +2,8 @@
 
 Errors here answer in Anthropic's envelope (the application's exception handlers pick it by path, see
 :meth:`~miserver.errors.APIError.answer_for`). The ``x-api-key`` and ``anthropic-version`` headers that Anthropic's
-clients send are accepted (this server has no keys; any version is answered in the one format it speaks).
+clients send are accepted: ``x-api-key`` is an API key here, as ``Authorization: Bearer`` is elsewhere (see
+``services/accounts.py``); any version is answered in the one format it speaks.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ async def create_message_batch(request: Request) -> dict[str, Any]:
         pack_default=st.settings.batch_pack_default,
         file_expiry_seconds=st.settings.file_default_expiry_seconds,
         caller_lease=request.headers.get("x-millm-lease"),
+        prices=st.ctx.prices,
     )
     st.runner.wake()
     return answer

@@ -33,6 +33,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
         form,
         max_window_hours=st.settings.max_completion_window_hours(),
         pack_default=st.settings.batch_pack_default,
+        prices=st.ctx.prices,
     )
     st.runner.wake()
     return answer

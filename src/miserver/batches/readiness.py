@@ -27,17 +27,25 @@ def own_holder(batch_id: str) -> str:
     return BATCH_HOLDER_PREFIX + batch_id
 
 
-def readiness(ctx: ServiceContext, batch: BatchRecord, *, weights_torn: bool, lease_ttl_seconds: float) -> Readiness:
+def readiness(
+    ctx: ServiceContext, batch: BatchRecord, *, weights_torn: bool, lease_ttl_seconds: float, take_over: bool = False
+) -> Readiness:
     """Decide, and take or renew the lease when the batch may run.
 
-    Waiting reasons: ``model_not_resident`` (no engine, or another model is resident), ``weights_torn``,
+    Waiting reasons: ``model_not_resident`` (no engine, or another model is resident), ``weights_torn`` (a weight
+    write is open, or a crash left one open), ``weights_changed`` (the batch is pinned to a weights revision that is
+    not the resident one),
     ``queued`` (another batch holds the lease: its turn comes after), ``lease_unavailable`` (another holder).
+    With ``take_over`` (the scheduler picked this batch: batches share the engine chunk by chunk) the batch takes
+    the lease from another batch that holds its own between chunks; never a caller's or another holder's lease.
     """
     engine = ctx.engine
     if engine is None or engine.info.model_id != batch.model:
         return Readiness("model_not_resident")
-    if weights_torn:
+    if weights_torn or ctx.weights_torn:
         return Readiness("weights_torn")
+    if batch.weights_revision is not None and engine.info.weights_revision != batch.weights_revision:
+        return Readiness("weights_changed")
     leases: LeaseManager = ctx.leases
     live = leases.current()
     if live is not None and batch.caller_lease is not None and live.lease == batch.caller_lease:
@@ -48,8 +56,23 @@ def readiness(ctx: ServiceContext, batch: BatchRecord, *, weights_torn: bool, le
         lease = leases.acquire(own, lease_ttl_seconds)
         return Readiness(None, lease.holder, lease.lease)
     if live.holder.startswith(BATCH_HOLDER_PREFIX):
+        if take_over:
+            leases.release(live.lease)
+            lease = leases.acquire(own, lease_ttl_seconds)
+            return Readiness(None, lease.holder, lease.lease)
         return Readiness("queued")
     return Readiness("lease_unavailable")
+
+
+def weights_block(ctx: ServiceContext, batch: BatchRecord) -> str | None:
+    """``weights_torn`` or ``weights_changed`` when the resident weights may not run the batch's rows now (checked
+    again once a chunk holds the admission slot: a weight commit may have happened while it waited), else None."""
+    engine = ctx.engine
+    if ctx.weights_torn:
+        return "weights_torn"
+    if engine is not None and batch.weights_revision not in (None, engine.info.weights_revision):
+        return "weights_changed"
+    return None
 
 
 def release_own_lease(ctx: ServiceContext, batch_id: str) -> None:

@@ -16,24 +16,32 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 
 from ..errors import APIError
 from ..ids import now, now_ms
-from ..scheduler import Priority
+from ..scheduler import Priority, Slot
+from ..services import accounts, billing
 from ..services.context import ServiceContext
 from ..services.registry import SERVICES
 from ..settings import Settings
 from ..store import Store
 from ..store import batches as store_batches
+from ..store import keys as store_keys
 from ..store import models as store_models
+from ..store import operations as store_operations
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord, StaleStatus
-from . import chunks, output, packing, pruning, states
-from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease
+from . import chunks, delivery, output, packing, pruning, scheduling, states
+from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease, weights_block
+from .upstream_runs import UpstreamRuns
 from .validate import BatchFailure, Validator
 
 log = logging.getLogger("miserver.batches")
+
+#: Interactive traffic counts as present (``MISERVER_BATCH_SHARE``) for this long after a request was admitted.
+INTERACTIVE_RECENT_SECONDS = 10.0
 
 #: The statuses whose step is short enough for the quick pass (a validation task starts, a finish is written).
 QUICK_STATUSES = ("validating", "cancelling")
@@ -72,6 +80,19 @@ class BatchRunner:
         self._chunk_batch: str | None = None
         #: Validation tasks running in this process, by batch id (a finished task removes itself).
         self._validations: dict[str, asyncio.Task[None]] = {}
+        #: Chunks of batches whose rows go to upstream pools (gateway mode), run as tasks beside each other.
+        self.upstream = UpstreamRuns(self)
+        #: The scheduling policy's inputs (issue 14): batch hours, the deadline margin, rows served per owner, the
+        #: clock (Unix seconds; miServer's injectable clock), and when interactive requests were last admitted.
+        self.hours = scheduling.BatchHours.parse(settings.batch_hours, settings.batch_hours_timezone)
+        self.margin = scheduling.Margin(fraction=settings.batch_deadline_margin)
+        self.fair = scheduling.FairShare(credit_rows=2 * settings.batch_chunk_rows)
+        self.clock: Callable[[], float] = lambda: now_ms() / 1000
+        self._interactive_seen: tuple[int, float] = (0, float("-inf"))
+        self._halt = asyncio.Event()
+        #: Rows recorded by, and seconds of, this process's last chunk (fair share and the batch share).
+        self._last_chunk_rows = 0
+        self._last_chunk_seconds = 0.0
 
     def wake(self) -> None:
         """Ask the loop to look at the batches now (a batch was created or cancelled): a new batch starts validating
@@ -83,6 +104,7 @@ class BatchRunner:
         """Graceful stop: the current row finishes and is recorded, then the loop returns."""
         self._stopping = True
         self._wake.set()
+        self._halt.set()
 
     async def run(self) -> None:
         """Release this process's stale claims, then advance batches until :meth:`stop`; prunes files meanwhile."""
@@ -95,15 +117,20 @@ class BatchRunner:
             pruning.prune_forever(self.store, self.settings.file_prune_interval_seconds), name="miserver-file-pruning"
         )
         quick = asyncio.create_task(self._quick_passes(), name="miserver-batch-quick-pass")
+        deliver = asyncio.create_task(
+            delivery.deliver_forever(self.store, self.settings, worker=self.worker_id, stopping=lambda: self._stopping),
+            name="miserver-webhook-delivery",
+        )
         try:
             while not self._stopping:
+                self._wake.clear()  # before the step: a wake during the step (a chunk task ended) is kept
                 busy = await self.step()
                 if not busy and not self._stopping:
-                    self._wake.clear()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_seconds)
         finally:
-            tasks = [pruner, quick, *self._validations.values()]
+            await self.upstream.drain()
+            tasks = [pruner, quick, deliver, *self._validations.values()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -113,22 +140,107 @@ class BatchRunner:
         return await pruning.prune_once(self.store)
 
     async def step(self) -> bool:
-        """One pass over the active batches; True when it ran or finished something."""
+        """One pass over the active batches; True when it ran or finished something.
+
+        Every batch but the running ones takes its own step (validation, finish, expiry); then the scheduling policy
+        (:mod:`~miserver.batches.scheduling`) picks which running batch gets the next chunk."""
         async with self.store.tx() as conn:
-            active = [b.id for b in await store_batches.active_batches(conn)]
-        release_lease_of_finished(self.ctx, set(active))
+            snapshot = await store_batches.active_batches(conn)
+        release_lease_of_finished(self.ctx, {b.id for b in snapshot})
         busy = False
-        for batch_id in active:
+        running: list[BatchRecord] = []
+        for batch in snapshot:
             if self._stopping:
                 break
+            if batch.status == "in_progress" and self.clock() < batch.expires_at:
+                running.append(batch)
+                continue
             try:
-                busy |= await self.advance(batch_id)
+                busy |= await self.advance(batch.id)
             except StaleStatus as exc:  # the batch moved on under this pass: the next pass reads it again
                 log.info("%s", exc)
                 busy = True
             except Exception:  # a fault of one batch must not stop the others
-                log.exception("batch %s: runner error", batch_id)
+                log.exception("batch %s: runner error", batch.id)
+        if running and not self._stopping:
+            try:
+                busy |= await self._run_next(running)
+            except StaleStatus as exc:
+                log.info("%s", exc)
+                busy = True
         return busy
+
+    # -- scheduling (issue 14) --------------------------------------------------------------------------------
+
+    async def _run_next(self, running: list[BatchRecord]) -> bool:
+        """Plan the running batches (:func:`~miserver.batches.scheduling.plan`), store their ETAs and waiting
+        reasons, and run one chunk of the first batch in the plan's order that is ready."""
+        async with self.store.tx() as conn:
+            pending = await store_operations.pending_by_batch(conn, [b.id for b in running])
+            rates = await store_operations.rates(conn)
+        by_id = {b.id: b for b in running}
+        candidates = [
+            scheduling.Candidate(
+                id=b.id,
+                priority=b.priority,
+                created_at=b.created_at,
+                expires_at=b.expires_at,
+                pending=pending.get(b.id, 0),
+                owner=b.owner_key_id or b.id,
+                paused=b.paused_at is not None,
+            )
+            for b in running
+        ]
+
+        def rate_of(c: scheduling.Candidate) -> float | None:
+            b = by_id[c.id]
+            rate = rates.get((b.model or "", b.endpoint))
+            return rate.rows_per_second if rate is not None else None
+
+        decision = scheduling.plan(
+            candidates, now=self.clock(), rate_of=rate_of, fair=self.fair, hours=self.hours, margin=self.margin
+        )
+        await self._store_estimates(running, decision)
+        for batch_id, reason in decision.waiting.items():
+            await self._set_waiting(by_id[batch_id], reason, None)
+        for batch_id in decision.order:
+            batch = by_id[batch_id]
+            if await self._advance_running(batch, take_over=True):
+                candidate = next(c for c in candidates if c.id == batch_id)
+                for other in decision.order:
+                    if other != batch_id and other in decision.queued:
+                        await self._set_waiting(by_id[other], "queued", None)
+                self.fair.charge(candidate, self._last_chunk_rows)
+                await self._yield_share()
+                return True
+        return False
+
+    async def _store_estimates(self, running: list[BatchRecord], decision: scheduling.Decision) -> None:
+        changed = []
+        for b in running:
+            eta = decision.eta.get(b.id)
+            new = int(eta) if eta is not None else None
+            old = b.estimated_completion_at
+            if (new is None) != (old is None) or (new is not None and old is not None and abs(new - old) >= 2):
+                changed.append((b.id, new))
+        if changed:
+            async with self.store.tx() as conn:
+                for batch_id, value in changed:
+                    await store_operations.set_estimate(conn, batch_id, value)
+
+    async def _yield_share(self) -> None:
+        """With ``MISERVER_BATCH_SHARE`` below 1, while interactive requests keep arriving (one admitted in the last
+        10 s), leave the engine idle after a chunk long enough that batches take at most that share of its time."""
+        share = self.settings.batch_share
+        granted = self.ctx.gate.granted[Priority.INTERACTIVE]
+        clock = time.monotonic()
+        if granted != self._interactive_seen[0]:
+            self._interactive_seen = (granted, clock)
+        if share >= 1.0 or clock - self._interactive_seen[1] > INTERACTIVE_RECENT_SECONDS:
+            return
+        idle = self._last_chunk_seconds * (1.0 / share - 1.0)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._halt.wait(), idle)
 
     async def _quick_passes(self) -> None:
         while not self._stopping:
@@ -181,18 +293,65 @@ class BatchRunner:
         if batch.status == "finalizing":
             return await self._finish(batch, "completed", None)
         if batch.status == "in_progress":
-            if now() >= batch.expires_at:
-                return await self._finish(batch, "expired", "batch_expired")
-            async with self.store.tx() as conn:
-                torn = await store_models.weights_torn(conn, batch.model or "")
-            ready = readiness(
-                self.ctx, batch, weights_torn=torn, lease_ttl_seconds=self.settings.batch_lease_ttl_seconds
-            )
-            if ready.waiting_reason is not None:
-                await self._set_waiting(batch, ready.waiting_reason, None)
-                return False
-            return await self._run_chunk(batch, ready)
+            return await self._advance_running(batch)
         return False
+
+    async def _advance_running(self, batch: BatchRecord, *, take_over: bool = False) -> bool:
+        """An ``in_progress`` batch's step: expire it, or run one chunk when it is ready (else store why it waits).
+        ``take_over``: the scheduler picked it, so it takes the model lease from another batch that holds it between
+        chunks (fair share)."""
+        if now() >= batch.expires_at:
+            return await self._finish(batch, "expired", "batch_expired")
+        if batch.paused_at is not None:
+            await self._set_waiting(batch, "paused", None)
+            return False
+        if batch.owner_key_id is not None:
+            held = await self._account_hold(batch)
+            if held is not None:
+                return held
+        if self.upstream.serves(batch):  # gateway mode: its rows go to upstream pools, no resident rules
+            return await self.upstream.advance(batch)
+        async with self.store.tx() as conn:
+            torn = await store_models.weights_torn(conn, batch.model or "")
+        ready = readiness(
+            self.ctx,
+            batch,
+            weights_torn=torn,
+            lease_ttl_seconds=self.settings.batch_lease_ttl_seconds,
+            take_over=take_over,
+        )
+        if ready.waiting_reason is not None:
+            await self._set_waiting(batch, ready.waiting_reason, None)
+            return False
+        return await self._run_chunk(batch, ready)
+
+    async def _account_hold(self, batch: BatchRecord) -> bool | None:
+        """The owner key's say before each chunk (issue 13), from a fresh read of the key: None to go on; else the
+        step's answer after ending the batch ``failed`` (key revoked; balance used up past the grace: unrun rows
+        become ``key_revoked``/``insufficient_quota`` error lines, uncharged) or marking it ``insufficient_balance``."""
+        assert batch.owner_key_id is not None
+        async with self.store.tx() as conn:
+            key = await store_keys.get_key(conn, batch.owner_key_id)
+        verdict = billing.batch_verdict(key, batch, now=now(), grace_seconds=self.settings.balance_grace_seconds)
+        if verdict.fail is not None:
+            return await self._finish(batch, "failed", verdict.fail.code, errors=[verdict.fail.as_batch_error()])
+        if verdict.waiting:
+            if batch.balance_waiting_since is None or batch.waiting_reason != "insufficient_balance":
+                async with self.store.tx() as conn:
+                    await store_batches.set_fields(
+                        conn,
+                        batch.id,
+                        ("in_progress",),
+                        waiting_reason="insufficient_balance",
+                        lease_holder=None,
+                        balance_waiting_since=batch.balance_waiting_since or now(),
+                    )
+                self.on_change(batch.id)
+            return False
+        if batch.balance_waiting_since is not None:  # topped up during the grace: it goes on
+            async with self.store.tx() as conn:
+                await store_batches.set_fields(conn, batch.id, ("in_progress",), balance_waiting_since=None)
+        return None
 
     async def _set_waiting(self, batch: BatchRecord, reason: str | None, holder: str | None) -> None:
         if (batch.waiting_reason, batch.lease_holder) != (reason, holder):
@@ -211,8 +370,9 @@ class BatchRunner:
 
     async def _validate(self, batch: BatchRecord) -> None:
         try:
-            if not await self.validator.run(batch):
-                return  # another live process validates it
+            with accounts.acting_as(accounts.owner_principal(batch.owner_key_id)):  # its lines see what it sees
+                if not await self.validator.run(batch):
+                    return  # another live process validates it
         except BatchFailure as failure:
             await self._fail_validation(batch.id, failure.as_batch_error())
         except StaleStatus as exc:  # cancelled while validating, or the claim was taken over
@@ -276,26 +436,58 @@ class BatchRunner:
                     # the model was unloaded or swapped while this chunk waited for the slot: run nothing
                     await self._set_waiting(batch, "model_not_resident", None)
                     return True
+                blocked = weights_block(self.ctx, batch)
+                if blocked is not None:
+                    # a weight write or commit happened while this chunk waited for the slot: run nothing
+                    await self._set_waiting(batch, blocked, None)
+                    return True
                 await self._set_waiting(batch, None, ready.holder)
-                await chunks.run_chunk(
-                    ctx=self.ctx,
-                    store=self.store,
-                    service=SERVICES[batch.endpoint],
-                    endpoint=batch.endpoint,
-                    batch_id=batch.id,
-                    token=token,
-                    rows=claimed,
-                    plan=packing.batch_plan(self.settings, batch),
-                    slot=slot,
-                    lease=ready.lease,
-                    time_limit=self.settings.batch_chunk_seconds,
-                    stopping=lambda: self._stopping,
-                    on_change=self.on_change,
-                )
+                started = time.monotonic()
+                with accounts.acting_as(accounts.owner_principal(batch.owner_key_id)):
+                    report = await self._chunk(batch, token, claimed, slot, ready)
+                await self._measured(batch, report, time.monotonic() - started)
         finally:
             async with self.store.tx() as conn:
                 await store_rows.release_claim(conn, batch_id=batch.id, token=token)
         return True
+
+    async def _chunk(
+        self, batch: BatchRecord, token: str, claimed: list[store_rows.ClaimedRow], slot: Slot, ready: Readiness
+    ) -> chunks.ChunkReport:
+        """One chunk of ``batch``'s claimed rows through the one row loop, billed to its owner at its prices."""
+        return await chunks.run_chunk(
+            ctx=self.ctx,
+            store=self.store,
+            service=SERVICES[batch.endpoint],
+            endpoint=batch.endpoint,
+            batch_id=batch.id,
+            token=token,
+            rows=claimed,
+            plan=packing.batch_plan(self.settings, batch),
+            slot=slot,
+            lease=ready.lease,
+            time_limit=self.settings.batch_chunk_seconds,
+            stopping=lambda: self._stopping,
+            on_change=self.on_change,
+            owner=batch.owner_key_id,
+            prices=batch.prices,
+        )
+
+    async def _measured(self, batch: BatchRecord, report: chunks.ChunkReport, seconds: float) -> None:
+        """Fold a chunk into the measured rate of its model and endpoint (the ETA's input, persisted)."""
+        self._last_chunk_rows, self._last_chunk_seconds = report.recorded, seconds
+        if report.recorded == 0 or batch.model is None:
+            return
+        async with self.store.tx() as conn:
+            await store_operations.record_rate(
+                conn,
+                model=batch.model,
+                endpoint=batch.endpoint,
+                rows=report.recorded,
+                tokens=report.tokens,
+                seconds=seconds,
+                at=now(),
+            )
 
     def _model_resident(self, batch: BatchRecord) -> bool:
         engine = self.ctx.engine
@@ -328,16 +520,24 @@ class BatchRunner:
 
     # -- finishing --------------------------------------------------------------------------------------------
 
-    async def _finish(self, batch: BatchRecord, to: str, unrun_code: str | None) -> bool:
+    async def _finish(
+        self, batch: BatchRecord, to: str, unrun_code: str | None, errors: list[dict[str, object]] | None = None
+    ) -> bool:
+        """Write ``batch``'s files and move it to ``to`` (``failed`` here only from ``in_progress``: the owner's key
+        stopped it, with ``errors``)."""
+        if self.upstream.running(batch.id):
+            return False  # its upstream chunks finish (and record) what is in flight first
+        allowed = {"completed": ("finalizing",), "failed": ("in_progress",)}.get(to) or states.sources(to)
         try:
             async with self.store.tx() as conn:
                 await output.finish(
                     conn,
                     batch,
-                    allowed=states.sources(to) if to != "completed" else ("finalizing",),
+                    allowed=allowed,
                     to=to,
                     unrun_code=unrun_code,
                     file_expiry_seconds=self.settings.file_default_expiry_seconds,
+                    extra={"errors": errors} if errors is not None else None,
                 )
         except output.StatusMoved:
             return True  # e.g. cancelled while finalizing: the next pass finishes it as cancelled

@@ -2,8 +2,8 @@
 
 A batch whose model is served by an upstream pool (a multi-model file whose models are all upstream ones, too) takes
 no resident slot, no lease and no residency: its rows pass the pool gates one by one (interactive first there).
-To keep a pool's ``max_in_flight`` requests really in flight, the runner keeps up to :data:`CHUNKS_PER_BATCH`
-chunks of such a batch running as tasks: while one chunk's last rows are in flight, the next chunk's rows already
+To keep a pool's ``max_in_flight`` requests really in flight, the runner keeps several chunks of such a batch
+running as tasks (:func:`chunks_for`): while one chunk's last rows are in flight, the next chunk's rows already
 take the freed places (continuous feeding; the engine never idles while a chunk drains). Each chunk is the one row
 loop (:func:`~miserver.batches.chunks.run_chunk`) under its own claim, heartbeat and fencing token, so every row is
 recorded once. A pool with no live upstream leaves its rows pending and the batch waits with ``waiting_reason:
@@ -31,11 +31,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("miserver.batches")
 
-#: Chunks of one upstream batch running at once in one process.
-CHUNKS_PER_BATCH = 2
+#: Chunks of one upstream batch running at once in one process: one per this many slots of its pool's gate (at
+#: least 2, at most :data:`MAX_CHUNKS`). Each chunk records its rows one transaction after another, so on a loaded
+#: machine one chunk records about 20-50 rows/s; several chunks record side by side (measured: bench/gateway.py).
+SLOTS_PER_CHUNK = 2
+MAX_CHUNKS = 8
 #: A chunk claims this many rows per slot of its pool's gate (at least ``BATCH_CHUNK_ROWS``).
-ROWS_PER_SLOT = 4
+ROWS_PER_SLOT = 2
 UNAVAILABLE = "upstream_unavailable"
+
+
+def chunks_for(slots: int) -> int:
+    """Chunks of one batch kept running for a pool gate of ``slots`` slots."""
+    return min(MAX_CHUNKS, max(2, slots // SLOTS_PER_CHUNK))
 
 
 class UpstreamRuns:
@@ -68,7 +76,7 @@ class UpstreamRuns:
         return bool(tasks)
 
     async def advance(self, batch: BatchRecord) -> bool:
-        """Start one more chunk of ``batch`` when its pool is live and fewer than :data:`CHUNKS_PER_BATCH` run;
+        """Start one more chunk of ``batch`` when its pool is live and fewer than :func:`chunks_for` run;
         move it to ``finalizing`` when every row is recorded. True when it started or finished something."""
         runner = self.runner
         pool = runner.ctx.upstream_pool(batch.model)
@@ -79,7 +87,7 @@ class UpstreamRuns:
             return False
         if time.monotonic() < self._not_before.get(batch.id, 0.0):
             return False  # its last chunk found a pool of the file down: wait a poll before claiming again
-        if live and len(self._tasks[batch.id]) >= CHUNKS_PER_BATCH:
+        if live and len(self._tasks[batch.id]) >= chunks_for(pool.gate.slots):
             return False
         token = secrets.token_hex(16)
         limit = max(runner.settings.batch_chunk_rows, ROWS_PER_SLOT * pool.gate.slots)

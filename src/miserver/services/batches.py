@@ -36,7 +36,10 @@ from ..store import batches as store_batches
 from ..store import files as store_files
 from ..store.batches import BatchRecord
 from ..store.files import FileRecord
+from . import accounts, billing
+from .billing import PriceTable
 from .common import decode_json
+from .eta import check_on_time
 from .files import content_expired
 from .idempotency import Keyed, check_key, create_once
 
@@ -178,30 +181,64 @@ def batch_object(b: BatchRecord) -> dict[str, Any]:
         ),
         millm=BatchExtension(
             pack=b.pack,
-            waiting_reason=b.waiting_reason if b.status == "in_progress" else None,  # type: ignore[arg-type]
+            waiting_reason=_waiting_reason(b),  # type: ignore[arg-type]
             lease_holder=b.lease_holder,
             description=(b.metadata or {}).get("description"),
+            weights_revision=b.weights_revision,
+            priority=b.priority,
+            paused=b.paused_at is not None,
+            estimated_completion_at=None if b.terminal else b.estimated_completion_at,
         ),
     ).model_dump()
+
+
+def _waiting_reason(b: BatchRecord) -> str | None:
+    """Why an ``in_progress`` batch is not running now: ``paused`` as soon as it is paused, else what the runner
+    stored; None for any other status."""
+    if b.status != "in_progress":
+        return None
+    return "paused" if b.paused_at is not None else b.waiting_reason
 
 
 # -- operations ------------------------------------------------------------------------------------------------
 
 
-async def create_batch(store: Store, form: BatchCreate, *, max_window_hours: int, pack_default: bool) -> dict[str, Any]:
+async def create_batch(
+    store: Store,
+    form: BatchCreate,
+    *,
+    max_window_hours: int,
+    pack_default: bool,
+    prices: PriceTable | None = None,
+) -> dict[str, Any]:
     """Create a batch in ``validating`` and return its Batch object (replayed for a retry under the same
     Idempotency-Key; the caller then wakes the runner).
 
     ``expires_at`` is ``created_at`` + the window; ``pack`` defaults to ``pack_default`` (``BATCH_PACK_DEFAULT``).
+    The batch belongs to the calling key and keeps the batch prices of ``prices`` as they are now.
     Raises 400 for the Idempotency-Key, the JSON, the body (:func:`check`) and the input file
-    (:func:`check_input_file`); 409 for an Idempotency-Key conflict. Nothing is created on error.
+    (:func:`check_input_file`; another key's file is "no file"); 409 for an Idempotency-Key conflict; 402
+    ``insufficient_quota`` for a key whose balance is used up and 429 for a key at a queue quota
+    (:func:`~miserver.services.billing.check_batch_create`). Nothing is created on error.
     """
-    request = Keyed("batches", check_key(form.idempotency_key), form.fingerprint())
+    request = Keyed(accounts.keyed_route("batches"), check_key(form.idempotency_key), form.fingerprint())
+    principal = accounts.current()
 
     async def create(conn: AsyncConnection) -> dict[str, Any]:
         req, hours = check(decode_json(form.raw), strict=form.strict, max_window_hours=max_window_hours)
+        await billing.check_batch_create(conn, principal)
         created = now()
-        check_input_file(await store_files.get_file(conn, req.input_file_id, lock=True), req.input_file_id, created)
+        record = await store_files.get_file(conn, req.input_file_id, lock=True)
+        visible = record if record is not None and accounts.visible(record.owner_key_id) else None
+        check_input_file(visible, req.input_file_id, created)
+        if not req.millm_allow_late:
+            await check_on_time(
+                conn,
+                input_file_id=req.input_file_id,
+                endpoint=req.endpoint,
+                priority=req.priority or 0,
+                window_seconds=hours * 3600,
+            )
         batch = await store_batches.insert_batch(
             conn,
             batch_id=ordered_id("batch_"),
@@ -214,6 +251,11 @@ async def create_batch(store: Store, form: BatchCreate, *, max_window_hours: int
             pack=pack_default if req.pack is None else req.pack,
             output_expires_seconds=req.output_expires_after.seconds if req.output_expires_after else None,
             caller_lease=form.caller_lease,
+            weights_revision=req.weights_revision,
+            priority=req.priority or 0,
+            allow_late=bool(req.millm_allow_late),
+            owner_key_id=principal.owner,
+            prices=prices.batch_snapshot() if prices is not None and prices.enabled else None,
         )
         return batch_object(batch)
 
@@ -233,17 +275,18 @@ async def list_batches(store: Store, *, limit: int, after: str | None) -> tuple[
     """
     check_list(limit)
     async with store.tx() as conn:
-        if after is not None and await store_batches.get_batch(conn, after) is None:
+        cursor = await store_batches.get_batch(conn, after) if after is not None else None
+        if after is not None and (cursor is None or not accounts.visible(cursor.owner_key_id)):
             raise InvalidRequestError(f"Invalid 'after': no batch with id {after!r}.", param="after")
-        page, has_more = await store_batches.list_batches(conn, limit=limit, after=after)
+        page, has_more = await store_batches.list_batches(conn, limit=limit, after=after, owner=accounts.scope())
     return [batch_object(b) for b in page], has_more
 
 
 async def retrieve_batch(store: Store, batch_id: str) -> dict[str, Any]:
-    """The Batch object of ``batch_id``; 404 ``not_found``."""
+    """The Batch object of ``batch_id``; 404 ``not_found`` (also for another key's batch)."""
     async with store.tx() as conn:
         batch = await store_batches.get_batch(conn, batch_id)
-    if batch is None:
+    if batch is None or not accounts.visible(batch.owner_key_id):
         raise not_found(batch_id)
     return batch_object(batch)
 
@@ -256,6 +299,9 @@ async def cancel_batch(store: Store, batch_id: str) -> dict[str, Any]:
     Raises 404 ``not_found``, and 409 ``batch_not_cancellable`` for a completed, failed or expired batch.
     """
     async with store.tx() as conn:
+        batch = await store_batches.get_batch(conn, batch_id)
+        if batch is None or not accounts.visible(batch.owner_key_id):
+            raise not_found(batch_id)
         await store_batches.try_transition(conn, batch_id, states.CANCELLABLE, "cancelling", now())
         batch = await store_batches.get_batch(conn, batch_id)
     if batch is None:
@@ -276,7 +322,7 @@ async def hand_lease(store: Store, batch_id: str, lease: str) -> dict[str, Any]:
     """
     async with store.tx() as conn:
         batch = await store_batches.get_batch(conn, batch_id)
-        if batch is None:
+        if batch is None or not accounts.visible(batch.owner_key_id):
             raise not_found(batch_id)
         try:
             await store_batches.set_fields(conn, batch_id, LIVE_STATUSES, caller_lease=lease)

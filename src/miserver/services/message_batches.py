@@ -42,7 +42,9 @@ from ..store import files as store_files
 from ..store import message_batches as store_message_batches
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord
+from . import accounts
 from . import batches as batches_service
+from .billing import PriceTable
 from .common import decode_json
 from .files import content_expired
 
@@ -129,7 +131,7 @@ async def _get(store: Store, message_batch_id: str) -> tuple[BatchRecord, int]:
     batch_id = batch_id_of(message_batch_id)
     async with store.tx() as conn:
         batch = await store_batches.get_batch(conn, batch_id) if batch_id else None
-        if batch is None or batch.endpoint != ENDPOINT:
+        if batch is None or batch.endpoint != ENDPOINT or not accounts.visible(batch.owner_key_id):
             raise not_found(message_batch_id)
         unrun = await store_rows.count_pending(conn, batch.id) if batch.terminal else 0
     return batch, unrun
@@ -186,9 +188,11 @@ async def create(
     pack_default: bool,
     file_expiry_seconds: int,
     caller_lease: str | None = None,
+    prices: PriceTable | None = None,
 ) -> dict[str, Any]:
     """Create a Message Batch: its requests become an input file, and a batch on ``/anthropic/v1/messages`` is
-    created over it by the batches service (the caller then wakes the runner). Returns the Message Batch."""
+    created over it by the batches service (the caller then wakes the runner; the batch keeps the batch prices of
+    ``prices`` as they are now). Both belong to the calling key. Returns the Message Batch."""
     req = check_create(raw, strict=strict)
     created = now()
     async with store.tx() as conn:
@@ -200,6 +204,7 @@ async def create(
             created_at=created,
             expires_at=created + file_expiry_seconds,
             chunks=_lines(req),
+            owner_key_id=accounts.current().owner,
         )
     body = {
         "input_file_id": record.id,
@@ -209,7 +214,7 @@ async def create(
     }
     form = batches_service.BatchCreate(raw=json.dumps(body).encode(), caller_lease=caller_lease)
     answer = await batches_service.create_batch(
-        store, form, max_window_hours=max_window_hours, pack_default=pack_default
+        store, form, max_window_hours=max_window_hours, pack_default=pack_default, prices=prices
     )
     batch, unrun = await _get(store, message_batch_id(answer["id"]))
     return message_batch(batch, unrun, base_url)
@@ -244,7 +249,7 @@ async def list_batches(
     after, before = _cursor(after_id, "after_id"), _cursor(before_id, "before_id")
     async with store.tx() as conn:
         page, has_more = await store_message_batches.list_for_endpoint(
-            conn, endpoint=ENDPOINT, limit=limit, after=after, before=before
+            conn, endpoint=ENDPOINT, limit=limit, after=after, before=before, owner=accounts.scope()
         )
         unrun = [await store_rows.count_pending(conn, b.id) if b.terminal else 0 for b in page]
     data = [message_batch(b, n, base_url) for b, n in zip(page, unrun)]

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from . import outbox
 from .schema import TERMINAL_STATUSES, batch_rows, batches
 
 
@@ -60,6 +61,12 @@ class BatchRecord:
     balance_waiting_since: int | None = None
     #: model life (issue 15): the weights revision the batch is pinned to (None: whatever is resident)
     weights_revision: str | None = None
+    #: scheduling and operations (issue 14): order before deadlines (higher first), when it was paused (None: not
+    #: paused), whether it was accepted past its estimated finish (``millm_allow_late``), the ETA (Unix seconds)
+    priority: int = 0
+    paused_at: int | None = None
+    allow_late: bool = False
+    estimated_completion_at: int | None = None
 
     @property
     def terminal(self) -> bool:
@@ -74,6 +81,7 @@ class BatchRecord:
         prices = m.pop("prices_json", None)
         m["prices"] = json.loads(prices) if prices else None
         m["pack"] = bool(m["pack"])
+        m["allow_late"] = bool(m.get("allow_late", False))
         return cls(**m)
 
 
@@ -90,7 +98,11 @@ async def insert_batch(
     pack: bool,
     output_expires_seconds: int | None,
     caller_lease: str | None = None,
+    owner_key_id: str | None = None,
+    prices: dict[str, list[int]] | None = None,
     weights_revision: str | None = None,
+    priority: int = 0,
+    allow_late: bool = False,
 ) -> BatchRecord:
     await conn.execute(
         insert(batches).values(
@@ -105,7 +117,11 @@ async def insert_batch(
             pack=pack,
             output_expires_seconds=output_expires_seconds,
             caller_lease=caller_lease,
+            owner_key_id=owner_key_id,
+            prices_json=json.dumps(prices) if prices is not None else None,
             weights_revision=weights_revision,
+            priority=priority,
+            allow_late=allow_late,
         )
     )
     record = await get_batch(conn, batch_id)
@@ -123,9 +139,21 @@ async def get_status(conn: AsyncConnection, batch_id: str) -> str | None:
     return (await conn.execute(select(batches.c.status).where(batches.c.id == batch_id))).scalar()
 
 
-async def list_batches(conn: AsyncConnection, *, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
-    """Newest first; ``after`` is the last id of the previous page. Returns the page and ``has_more``."""
+async def get_run_state(conn: AsyncConnection, batch_id: str) -> tuple[str | None, bool]:
+    """The batch's status and whether it is paused (the runner asks after each recorded row whether to stop at the
+    row boundary: a cancel or a pause); ``(None, False)`` if absent."""
+    row = (await conn.execute(select(batches.c.status, batches.c.paused_at).where(batches.c.id == batch_id))).first()
+    return (None, False) if row is None else (str(row.status), row.paused_at is not None)
+
+
+async def list_batches(
+    conn: AsyncConnection, *, limit: int, after: str | None, owner: str | None = None
+) -> tuple[list[BatchRecord], bool]:
+    """Newest first, the batches of ``owner`` (None: every owner's); ``after`` is the last id of the previous page.
+    Returns the page and ``has_more``."""
     q = select(batches)
+    if owner is not None:
+        q = q.where(batches.c.owner_key_id == owner)
     if after:
         q = q.where(batches.c.id < after)
     q = q.order_by(batches.c.id.desc()).limit(limit + 1)
@@ -182,7 +210,11 @@ async def try_transition(
             .exists()
         )
     stmt = update(batches).where(*cond).values(status=to, **{f"{to}_at": at}, **_encode(values))
-    return (await conn.execute(stmt)).rowcount == 1
+    moved = (await conn.execute(stmt)).rowcount == 1
+    if moved and to in outbox.STATUS_EVENTS:  # its webhook events commit with the status change, or not at all
+        owner = (await conn.execute(select(batches.c.owner_key_id).where(batches.c.id == batch_id))).scalar()
+        await outbox.enqueue(conn, batch_id=batch_id, owner_key_id=owner, event_type=outbox.STATUS_EVENTS[to], at=at)
+    return moved
 
 
 async def transition(

@@ -12,6 +12,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -114,6 +115,11 @@ batches = Table(
     # model life (issue 15): the weights revision the batch is pinned to (its rows wait ``weights_changed`` while
     # the resident revision differs); NULL runs on whatever is resident
     Column("weights_revision", String(64), nullable=True),
+    # scheduling and operations (issue 14): order before deadlines, pause, late acceptance, the ETA (Unix seconds)
+    Column("priority", Integer, nullable=False, server_default="0"),
+    Column("paused_at", BigInteger, nullable=True),
+    Column("allow_late", Boolean, nullable=False, server_default=text("false")),
+    Column("estimated_completion_at", BigInteger, nullable=True),
     CheckConstraint("status IN (" + ", ".join(f"'{s}'" for s in BATCH_STATUSES) + ")", name="status"),
     CheckConstraint("completed >= 0 AND failed >= 0 AND completed + failed <= total", name="counts"),
 )
@@ -320,4 +326,62 @@ catalogue_models = Table(
     Column("source", Text, nullable=False),
     Column("aliases_json", Text, nullable=False),
     Column("created_at", BigInteger, nullable=False),
+)
+
+# Scheduling and operations (issue 14). Measured throughput per model and endpoint (the ETA): moving averages over
+# recent chunks of rows per second and tokens (prompt + completion) per second; ``samples`` counts the chunks.
+throughput = Table(
+    "throughput",
+    metadata,
+    Column("model", String(512), nullable=False),
+    Column("endpoint", String(64), nullable=False),
+    Column("rows_per_second", Float, nullable=False),
+    Column("tokens_per_second", Float, nullable=False),
+    Column("samples", Integer, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+    PrimaryKeyConstraint("model", "endpoint"),
+    CheckConstraint("rows_per_second > 0 AND tokens_per_second >= 0", name="rates"),
+)
+
+# Webhook endpoints (``POST /api/webhooks``): a URL, the events it receives (a JSON list), its signing secret
+# (``whsec_...``, Standard Webhooks) and the key that registered it (NULL: every batch's events).
+webhooks = Table(
+    "webhooks",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("url", Text, nullable=False),
+    Column("events_json", Text, nullable=False),
+    Column("secret", String(128), nullable=False),
+    Column("owner_key_id", String(64), nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+)
+
+# The outbox of webhook deliveries: one row per (event, endpoint), written in the transaction of the status change
+# that raised the event and delivered at least once by a background task; ``id`` is the stable ``webhook-id`` and
+# ``event_id`` the payload's ``id``. ``next_attempt_at`` (Unix ms) is when it is due; a delivering process pushes it
+# forward first and names itself in ``claimed_by`` (its claim), so a process killed mid-delivery leaves it due again
+# later (at once when that process restarts).
+webhook_outbox = Table(
+    "webhook_outbox",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("event_id", String(64), nullable=False),
+    Column("webhook_id", String(64), ForeignKey("webhooks.id", ondelete="CASCADE"), nullable=False),
+    Column("event_type", String(32), nullable=False),
+    Column("batch_id", String(64), nullable=False),
+    Column("payload", Text, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("next_attempt_at", BigInteger, nullable=False),
+    Column("delivered_at", BigInteger, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("claimed_by", String(128), nullable=True),
+    CheckConstraint("state IN ('pending', 'delivered', 'failed')", name="state"),
+)
+Index(
+    "ix_webhook_outbox_due",
+    webhook_outbox.c.next_attempt_at,
+    sqlite_where=webhook_outbox.c.state == "pending",
+    postgresql_where=webhook_outbox.c.state == "pending",
 )
