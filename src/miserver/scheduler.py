@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from enum import IntEnum
 
@@ -32,12 +32,15 @@ class Slot:
 class AdmissionGate:
     """A counting gate with two priority classes.
 
-    ``slots`` is the number of requests the engine runs at once (1 for the resident model).
+    ``slots`` is the number of requests the engine runs at once (1 for the resident model). ``admission_check``,
+    when set, is called by :meth:`hold` for an interactive request before it waits and again once it has its slot;
+    it raises (an ``APIError``) to refuse the request: the resident weights are mid-write, for instance.
     """
 
     def __init__(self, slots: int = 1) -> None:
         if slots < 1:
             raise ValueError("an admission gate needs at least one slot")
+        self.admission_check: Callable[[], None] | None = None
         self.slots = slots
         self._free = slots
         self._waiters: dict[Priority, deque[asyncio.Future[None]]] = {p: deque() for p in Priority}
@@ -88,13 +91,20 @@ class AdmissionGate:
         self._release()
 
     @asynccontextmanager
-    async def hold(self, priority: Priority, slot: Slot | None = None) -> AsyncIterator[Slot]:
-        """Hold a slot for the block; if ``slot`` (already held by the caller) is given, reuse it."""
+    async def hold(self, priority: Priority, slot: Slot | None = None, *, check: bool = True) -> AsyncIterator[Slot]:
+        """Hold a slot for the block; if ``slot`` (already held by the caller) is given, reuse it. An interactive
+        request passes ``admission_check`` before and after waiting, unless ``check`` is false (a model load, which
+        is what makes the weights whole again)."""
         if slot is not None:
             yield slot
             return
+        guard = self.admission_check if check and priority == Priority.INTERACTIVE else None
+        if guard is not None:
+            guard()
         held = await self.acquire(priority)
         try:
+            if guard is not None:
+                guard()
             yield held
         finally:
             self.release(held)

@@ -11,7 +11,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..errors import InvalidRequestError
+from ..protocol.model_life import (
+    CatalogueAdded,
+    CatalogueAddRequest,
+    Checkpoint,
+    CheckpointCreateRequest,
+    CheckpointDeleted,
+    CheckpointList,
+    TensorList,
+    WeightsCommitted,
+    WeightsState,
+    WeightWriteRequest,
+    WeightWritten,
+)
 from .common import json_body, state
+from .openapi import CHANGE_ERRORS, documented
 
 router = APIRouter()
 
@@ -30,24 +44,28 @@ def _answer(body: dict[str, Any]) -> JSONResponse:
 
 
 @router.get("/api/weights")
+@documented(ok=WeightsState)
 async def weights_state(request: Request) -> JSONResponse:
     """The resident model, its weights revision, whether its weights are torn and whether a write is open."""
     return _answer({"object": "weights", **state(request).residency.weights.state()})
 
 
 @router.get("/api/weights/tensors")
+@documented(ok=TensorList, errors=(400, 500, 503))
 async def weights_tensors(request: Request) -> dict[str, Any]:
     """Every named tensor of the resident model: ``{name, shape, dtype}``."""
     return {"object": "list", "data": await state(request).residency.weights.tensors()}
 
 
 @router.post("/api/weights/begin")
+@documented(ok=WeightsState, errors=(400, 409, 500, 503), headers=("lease",))
 async def weights_begin(request: Request) -> JSONResponse:
     """Open a weight write: the running row finishes first; from now on the weights are torn until commit."""
     return _answer(await state(request).residency.weights.begin(_lease(request)))
 
 
 @router.post("/api/weights/write")
+@documented(body=WeightWriteRequest, ok=WeightWritten, errors=(400, 409, 500, 503), headers=("lease",))
 async def weights_write(request: Request) -> JSONResponse:
     """JSON ``{"tensor", "op", "value", "slice"?}``, or a safetensors file as the body (``Content-Type:
     application/octet-stream``; ``?op=set`` (default) or ``add``) whose tensors are written by name."""
@@ -63,6 +81,7 @@ async def weights_write(request: Request) -> JSONResponse:
 
 
 @router.post("/api/weights/commit")
+@documented(ok=WeightsCommitted, errors=(400, 409, 500, 503), headers=("lease",))
 async def weights_commit(request: Request) -> JSONResponse:
     """End the write: ``{"weights_revision"}`` is the new revision (also in ``X-miLLM-Weights``)."""
     st = state(request)
@@ -72,6 +91,7 @@ async def weights_commit(request: Request) -> JSONResponse:
 
 
 @router.post("/api/weights/abort")
+@documented(ok=WeightsState, errors=(400, 409, 500, 503), headers=("lease",))
 async def weights_abort(request: Request) -> JSONResponse:
     """End the write and restore the weights from before ``begin``."""
     st = state(request)
@@ -81,6 +101,7 @@ async def weights_abort(request: Request) -> JSONResponse:
 
 
 @router.post("/api/checkpoints")
+@documented(body=CheckpointCreateRequest, ok=Checkpoint, errors=(400, 409, 500, 503), headers=("lease",))
 async def checkpoint_save(request: Request) -> JSONResponse:
     """``{"model": "<new id>"}``: save the resident weights under that id; the resident model is then it."""
     st = state(request)
@@ -90,18 +111,21 @@ async def checkpoint_save(request: Request) -> JSONResponse:
 
 
 @router.get("/api/checkpoints")
+@documented(ok=CheckpointList)
 async def checkpoint_list(request: Request) -> dict[str, Any]:
     """Every checkpoint, oldest first, with ``resident`` true for the one in memory."""
     return {"object": "list", "data": await state(request).residency.checkpoints.list()}
 
 
 @router.delete("/api/checkpoints/{model_id:path}")
+@documented(ok=CheckpointDeleted, errors=CHANGE_ERRORS, headers=("lease",))
 async def checkpoint_delete(model_id: str, request: Request) -> dict[str, Any]:
     """Delete a checkpoint (refused while it is resident or a batch that has not ended names it)."""
     return await state(request).residency.checkpoints.delete(_lease(request), model_id)
 
 
 @router.post("/api/models")
+@documented(body=CatalogueAddRequest, ok=CatalogueAdded, errors=(400, 409, 500))
 async def catalogue_add(request: Request) -> dict[str, Any]:
     """``{"id", "source", "aliases"?}``: add a model this server may load (``miserver models add``)."""
     entry = await state(request).residency.catalogue_.add(await json_body(request))

@@ -109,11 +109,24 @@ class ModelList(ResponseModel):
 
 
 class CatalogueEntry(ResponseModel):
-    """A model this server can make resident: its id, where it loads from, and whether it is resident now."""
+    """A model this server can make resident (``GET /api/models``): its id, where it loads from (``source``: a
+    transformers folder, a .gguf file or the embedded id; None for a checkpoint), ``kind`` (``gguf``, ``directory``,
+    ``checkpoint``; None when the source is missing), its size on disk, its aliases, where the entry came from
+    (``embedded``, ``command line``, ``file``, ``added``, ``loaded``, ``checkpoint``), and for the resident model its
+    dtype, weights revision and torn flag."""
 
     id: str
-    source: str
+    object: Literal["model"] = "model"
+    source: str | None
+    kind: str | None
+    bytes: int | None
+    aliases: list[str]
+    origin: str
     resident: bool
+    dtype: str | None
+    weights_revision: str | None
+    weights_torn: bool
+    base_model: str | None = None
 
 
 class Catalogue(ResponseModel):

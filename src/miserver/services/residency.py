@@ -1,20 +1,27 @@
-"""Model residency (DESIGN §3.5, Models): the catalogue, load and unload. Batches never call this: they wait.
+"""Model residency (DESIGN §3.5, Models): load and unload. Batches never call this: they wait.
 
 A load or unload takes the admission gate at interactive priority, so it starts between requests (a running batch
 chunk finishes first), and needs the lease when one is held. While it runs no model is resident: requests get 503
-``engine_unavailable`` and batches wait with ``model_not_resident``.
+``engine_unavailable`` and batches wait with ``model_not_resident``. A load names a catalogue id or alias
+(``services/catalogue.py``), a checkpoint (``services/checkpoints.py``), or a transformers folder / .gguf path. A
+load ends an open weight write and leaves the loaded weights whole (not torn). Progress goes to ``on_loading``
+(Socket.IO ``model:loading``): ``{model, stage: "loading" | "loaded" | "failed", ...}``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..engines.base import Engine
 from ..errors import InvalidRequestError, NotFoundError
 from ..scheduler import Priority
-from ..settings import EMBEDDED_MODEL_ID, Settings
+from ..settings import Settings
+from .catalogue import Catalogue
+from .checkpoints import Checkpoints
 from .context import ServiceContext
+from .weights import WeightWrites
 
 
 class Residency:
@@ -26,35 +33,52 @@ class Residency:
         settings: Settings,
         factory: Callable[[Settings], Awaitable[Engine]],
         prepare: Callable[[Engine], Engine],
+        *,
+        catalogue: Catalogue,
+        checkpoints: Checkpoints,
+        weights: WeightWrites,
+        on_loading: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.settings = settings
         self.factory = factory
         self.prepare = prepare
-        self._known: dict[str, str] = {EMBEDDED_MODEL_ID: EMBEDDED_MODEL_ID}
-        if ctx.engine is not None:
-            self._known[ctx.engine.info.model_id] = settings.model
+        self.catalogue_ = catalogue
+        self.checkpoints = checkpoints
+        self.weights = weights
+        self.on_loading = on_loading or (lambda _payload: None)
 
-    def catalogue(self) -> list[dict[str, Any]]:
-        """Every model this process can load, with ``resident`` true for the one in memory."""
-        resident = self.ctx.engine.info.model_id if self.ctx.engine is not None else None
-        return [
-            {"id": model_id, "source": source, "resident": model_id == resident}
-            for model_id, source in sorted(self._known.items())
-        ]
+    async def catalogue(self) -> list[dict[str, Any]]:
+        """``GET /api/models``: every model this process can load (catalogue entries and checkpoints), with
+        ``resident`` true for the one in memory (see :meth:`Catalogue.listing`)."""
+        return self.catalogue_.listing(await self.checkpoints.list())
 
     async def load(self, model: str, lease: str | None) -> Engine:
-        """Make ``model`` (a catalogue id, a transformers directory or a .gguf path) the resident model.
+        """Make ``model`` (a catalogue id or alias, a checkpoint id, a transformers directory or a .gguf path) the
+        resident model. Loading the resident model again reloads it only when its weights are torn or were written
+        (a committed write changed its revision): a load restores the weights of its source.
 
         Raises 409 ``lease_held`` without the held lease, 400 when ``model`` cannot be loaded.
         """
         self.ctx.leases.require(lease)
+        checkpoint = await self.checkpoints.get(model)
+        entry = None if checkpoint is not None else self.catalogue_.find(model)
+        if checkpoint is not None:
+            source, served, origin = checkpoint.path, checkpoint.model_id, checkpoint.base_model
+        elif entry is not None:
+            source, served, origin = entry.source, entry.id, None
+        else:
+            source, served, origin = model, None, None
         current = self.ctx.engine
-        if current is not None and current.info.model_id == model:
-            return current
-        source = self._known.get(model, model)
-        served = model if source != model or model == EMBEDDED_MODEL_ID else None
-        async with self.ctx.gate.hold(Priority.INTERACTIVE):
+        target = served or model
+        if current is not None and current.info.model_id == target and not self.ctx.weights_torn:
+            as_loaded = getattr(current, "source_revision", current.info.weights_revision)
+            if as_loaded == current.info.weights_revision:
+                return current  # resident as loaded: nothing to do
+        self.weights.end_for_swap()
+        started = time.monotonic()
+        self.on_loading({"model": target, "stage": "loading"})
+        async with self.ctx.gate.hold(Priority.INTERACTIVE, check=False):
             self.ctx.loading = True
             try:
                 if current is not None:
@@ -64,19 +88,35 @@ class Residency:
                     update = {"model": source, "served_model_name": served}
                     engine = await self.factory(self.settings.model_copy(update=update))
                 except (ValueError, OSError) as exc:
+                    self.on_loading({"model": target, "stage": "failed", "error": str(exc)})
                     raise InvalidRequestError(f"Cannot load model {model!r}: {exc}", param="model") from None
                 self.ctx.engine = self.prepare(engine)
-                self._known[engine.info.model_id] = source
-                return engine
+                self.ctx.resident_origin = origin
+                if checkpoint is None:
+                    self.catalogue_.remember(engine.info.model_id, source)
+                await self.weights.mark_whole(engine.info.model_id)
             finally:
                 self.ctx.loading = False
+        self.on_loading(
+            {
+                "model": engine.info.model_id,
+                "stage": "loaded",
+                "seconds": round(time.monotonic() - started, 3),
+                "weights_revision": engine.info.weights_revision,
+                "dtype": engine.info.dtype,
+            }
+        )
+        return engine
 
     async def unload(self, lease: str | None) -> None:
-        """Free the resident model (409 without the held lease, 404 when none is resident)."""
+        """Free the resident model (409 without the held lease, 404 when none is resident); ends an open write."""
         self.ctx.leases.require(lease)
         if self.ctx.engine is None:
             raise NotFoundError("No model is resident.", param="model", code="model_not_resident")
-        async with self.ctx.gate.hold(Priority.INTERACTIVE):
+        self.weights.end_for_swap()
+        async with self.ctx.gate.hold(Priority.INTERACTIVE, check=False):
             engine, self.ctx.engine = self.ctx.engine, None
             if engine is not None:
+                await self.weights.mark_whole(engine.info.model_id)
                 await engine.close()
+            self.ctx.resident_origin = None

@@ -9,11 +9,12 @@ Streaming hands deltas from that thread to the event loop through an ``asyncio.Q
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +36,7 @@ from miserver.engines.local.loader import LoadedModel, load_model, resolve_model
 from miserver.engines.local.score import score_pack
 
 _DONE = object()
+_T = TypeVar("_T")
 
 
 def _new_executor() -> ThreadPoolExecutor:
@@ -107,6 +109,12 @@ class LocalEngine:
         if self._loaded is None:
             raise RuntimeError("the engine is closed")
         return self._loaded
+
+    @property
+    def source_revision(self) -> str:
+        """The weights revision of the files the model was loaded from (``info.weights_revision`` differs once a
+        weight write was committed)."""
+        return self.loaded.weights_revision
 
     @property
     def vocab_size(self) -> int:
@@ -248,6 +256,27 @@ class LocalEngine:
                 return pool_pack(loaded.model, requests, pad_id=self.pad_id, num_layers=self.num_layers)
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    async def call(self, fn: Callable[[LoadedModel], _T]) -> _T:
+        """Run ``fn(loaded model)`` on the engine thread, after the work queued before it (weight edits, saves:
+        never beside a forward pass); re-raises what ``fn`` raises."""
+        loaded = self.loaded
+
+        def run() -> _T:
+            with torch.no_grad():
+                return fn(loaded)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    def rename(self, *, model_id: str | None = None, weights_revision: str | None = None) -> None:
+        """Change the provenance of the resident weights: the id they are served under (a checkpoint save) or their
+        revision (a weight commit). Responses built from now on carry the new values."""
+        changes: dict[str, str] = {}
+        if model_id is not None:
+            changes["model_id"] = model_id
+        if weights_revision is not None:
+            changes["weights_revision"] = weights_revision
+        self.info = dataclasses.replace(self.info, **changes)  # type: ignore[arg-type]
 
     async def close(self) -> None:
         """Finish the running request, stop the thread and drop the model."""

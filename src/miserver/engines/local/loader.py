@@ -162,6 +162,18 @@ def load_model(source: ModelSource, cache_dir: Path, device: str | None = None) 
     return LoadedModel(tokenizer, model, dev, dtype, f"sha256:{digest[:12]}")
 
 
+def folder_revision(folder: Path, cache_dir: Path) -> str:
+    """The weights revision of a transformers folder, as :func:`load_model` reports it (``sha256:`` + 12 hex digits
+    of its weight files): what a checkpoint saved into ``folder`` reports once loaded."""
+    return "sha256:" + file_digest(_weight_files(folder), cache_dir)[:12]
+
+
+def source_bytes(source: ModelSource) -> int:
+    """Size on disk of the weights of ``source``: the .gguf file, or the weight files of the folder."""
+    files = [source.path] if source.kind == "gguf" else _weight_files(source.path)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
 def converted_path(source: ModelSource, cache_dir: Path) -> Path | None:
     """Folder of the converted-model cache of a GGUF ``source`` (which may not exist yet); None for a folder."""
     return _converted_dir(cache_dir, file_digest([source.path], cache_dir)) if source.kind == "gguf" else None
