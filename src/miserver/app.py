@@ -31,6 +31,7 @@ from .api import probes as probes_api
 from .api import responses as responses_api
 from .api.common import AppState
 from .api.openapi import install_openapi
+from .console import ConsoleRoot, create_console
 from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
 from .events import ProgressEvents
 from .ids import now, random_id
@@ -157,6 +158,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.add_middleware(ServerErrors)  # innermost: the 500 still gets x-request-id
     # gzip for clients that ask (Accept-Encoding); Server-Sent Events are never compressed
     app.add_middleware(GZipMiddleware, minimum_size=1024)
+    app.add_middleware(ConsoleRoot)  # /console (and /console/, after TrailingSlash) -> the console's job list
     app.add_middleware(TrailingSlash)
 
     @app.middleware("http")
@@ -200,6 +202,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(operations_api.router)
     app.include_router(model_life_api.router)
     app.include_router(accounts_api.router)
+    console = create_console(app)  # the web console (issue 16): its own session-cookie sign-in, not in the schema
+    app.mount("/console", console)
+    events.cookie_principal = console.state.console.from_cookie_header
     install_openapi(app)  # /openapi.json (built at its first request, from every route) and the offline /docs
     app.state.events = events
     app.state.metrics = metrics

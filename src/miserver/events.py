@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import socketio
@@ -48,6 +49,9 @@ class ProgressEvents:
         self._last: dict[str, dict[str, Any]] = {}
         self._task: asyncio.Task[None] | None = None
         self._emits: set[asyncio.Task[None]] = set()
+        #: the web console's sign-in (a ``Cookie`` header -> its session's caller, None without one): a browser
+        #: connects with its HttpOnly session cookie instead of a key
+        self.cookie_principal: Callable[[str], Awaitable[accounts.Principal | None]] | None = None
         self.sio.on("connect", self._connect)
         self.sio.on("subscribe", self._subscribe)
         self.sio.on("unsubscribe", self._unsubscribe)
@@ -69,6 +73,12 @@ class ProgressEvents:
         if key is None:
             scheme, _, value = str(environ.get("HTTP_AUTHORIZATION", "")).partition(" ")
             key = value.strip() if scheme.lower() == "bearer" and value.strip() else None
+        cookie = str(environ.get("HTTP_COOKIE", ""))
+        if key is None and cookie and self.cookie_principal is not None:
+            from_cookie = await self.cookie_principal(cookie)
+            if from_cookie is not None:
+                await self.sio.save_session(sid, {"principal": from_cookie})
+                return
         try:
             principal = await accounts.principal_for(self.store, key)
         except APIError as exc:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import outbox
@@ -159,6 +159,37 @@ async def list_batches(
     q = q.order_by(batches.c.id.desc()).limit(limit + 1)
     rows = [BatchRecord.from_row(r) for r in (await conn.execute(q)).all()]
     return rows[:limit], len(rows) > limit
+
+
+async def search_batches(
+    conn: AsyncConnection,
+    *,
+    text: str | None,
+    statuses: tuple[str, ...] | None,
+    owner: str | None,
+    limit: int,
+    offset: int,
+) -> tuple[list[BatchRecord], int]:
+    """Newest first, the batches of ``owner`` (None: every owner's) whose id or metadata text contains ``text``
+    (case-insensitive; matched on the stored JSON, so the caller passes ``text`` JSON-escaped) and whose status is
+    one of ``statuses`` (None: any); ``limit`` rows from ``offset``. Returns the page and the number that match."""
+    conds = []
+    if owner is not None:
+        conds.append(batches.c.owner_key_id == owner)
+    if statuses is not None:
+        conds.append(batches.c.status.in_(statuses))
+    if text:
+        pattern = "%" + text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        conds.append(
+            or_(
+                func.lower(batches.c.id).like(pattern, escape="\\"),
+                func.lower(func.coalesce(batches.c.metadata_json, "")).like(pattern, escape="\\"),
+            )
+        )
+    count = (await conn.execute(select(func.count()).select_from(batches).where(*conds))).scalar_one()
+    q = select(batches).where(*conds).order_by(batches.c.id.desc()).limit(limit).offset(offset)
+    rows = [BatchRecord.from_row(r) for r in (await conn.execute(q)).all()]
+    return rows, int(count)
 
 
 async def active_batches(conn: AsyncConnection) -> list[BatchRecord]:

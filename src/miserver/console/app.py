@@ -1,0 +1,218 @@
+"""The console as its own ASGI application, mounted at ``/console`` by ``create_app``: who the browser is (the
+session cookie, :class:`ConsoleAuth`), the security headers, and the error pages. The pages are in ``pages.py``.
+
+A request without a live session is sent to the sign-in page, except on a server with no API key, where the
+console opens at once as the single user (a session is still made, for its CSRF token).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from http.cookies import SimpleCookie
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from ..api.common import AppState
+from ..errors import APIError, AuthenticationError, NotFoundError
+from ..services import accounts
+from .sessions import COOKIE, FailureLimit, Session, Sessions
+
+#: The Content-Security-Policy of every console response: nothing but this server, no inline script or style.
+CSP = "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'self'"
+#: Paths (below ``/console``) served without a session.
+OPEN_PATHS = ("/signin", "/static/")
+
+ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+
+
+class ConsoleState:
+    """What the console keeps: its sessions, the wrong-key limit, the templates, and the parent application (whose
+    ``state.miserver`` holds the store, settings and services' context)."""
+
+    def __init__(self, parent: FastAPI) -> None:
+        self.parent = parent
+        self.sessions = Sessions()
+        self.failures = FailureLimit()
+        folder = resources.files("miserver.console") / "templates"
+        self.templates = Jinja2Templates(directory=str(folder))
+
+    @property
+    def app_state(self) -> AppState:
+        st = self.parent.state.miserver
+        assert isinstance(st, AppState)
+        return st
+
+    async def principal(self, session: Session) -> accounts.Principal | None:
+        """Who the session acts as now: its key (re-read: None once revoked or deleted), or the single user while
+        the server has no key (None once a key exists)."""
+        store = self.app_state.store
+        if session.key_id is None:
+            try:
+                return await accounts.principal_for(store, None)
+            except AuthenticationError:
+                return None
+        try:
+            record = await accounts.get_key(store, session.key_id)
+        except NotFoundError:
+            return None
+        if not record.active:
+            return None
+        return accounts.Principal(key_id=record.id, name=record.name, admin=record.admin, balance=record.balance)
+
+    async def from_cookie_header(self, header: str) -> accounts.Principal | None:
+        """The principal of the session named in a ``Cookie`` header (Socket.IO connections); None without one."""
+        cookie: SimpleCookie = SimpleCookie()
+        with contextlib.suppress(Exception):
+            cookie.load(header)
+        morsel = cookie.get(COOKIE)
+        session = self.sessions.get(morsel.value if morsel is not None else None)
+        return await self.principal(session) if session is not None else None
+
+
+def console_state(request: Request) -> ConsoleState:
+    """The :class:`ConsoleState` of the console application serving ``request``."""
+    cs = request.app.state.console
+    assert isinstance(cs, ConsoleState)
+    return cs
+
+
+def set_session_cookie(response: Response, session: Session, secure: bool) -> None:
+    """Put ``session`` in its HttpOnly, SameSite=Strict cookie scoped to ``/console`` (and ``/socket.io``)."""
+    response.set_cookie(COOKIE, session.token, httponly=True, samesite="strict", secure=secure, path="/")
+
+
+class ConsoleAuth:
+    """ASGI middleware of the console: finds the session of the cookie, checks that its key is still good, and runs
+    the page as that caller (``accounts.acting_as``); without a live session a page request is sent to sign-in
+    (a script request gets 401). Adds the security headers to every answer."""
+
+    def __init__(self, app: ASGIApp, cs: ConsoleState) -> None:
+        self.app = app
+        self.cs = cs
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        new_cookie: list[Session] = []
+
+        async def send_with_headers(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers += [
+                    (b"content-security-policy", CSP.encode()),
+                    (b"x-content-type-options", b"nosniff"),
+                    (b"referrer-policy", b"same-origin"),
+                    (b"x-frame-options", b"DENY"),
+                ]
+                if not any(k.lower() == b"cache-control" for k, _ in headers):
+                    headers.append((b"cache-control", b"no-store"))
+                if new_cookie:
+                    holder = Response()
+                    set_session_cookie(holder, new_cookie[0], scope.get("scheme") == "https")
+                    headers += [(k, v) for k, v in holder.raw_headers if k == b"set-cookie"]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if any(path == p or (p.endswith("/") and path.startswith(p)) for p in OPEN_PATHS):
+            await self.app(scope, receive, send_with_headers)
+            return
+        request = Request(scope)
+        session = self.cs.sessions.get(request.cookies.get(COOKIE))
+        principal = await self.cs.principal(session) if session is not None else None
+        if principal is None and session is not None:
+            self.cs.sessions.drop(session.token)
+            session = None
+        if session is None:
+            try:
+                principal = await accounts.principal_for(self.cs.app_state.store, None)
+            except AuthenticationError:
+                principal = None
+            if principal is not None:  # no key in the database: the single user
+                session = self.cs.sessions.create(None)
+                new_cookie.append(session)
+        if session is None or principal is None:
+            answer: Response
+            if scope.get("method") == "GET" and "text/html" in request.headers.get("accept", "text/html"):
+                target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+                answer = RedirectResponse(f"/console/signin?next={_quote(target)}", status_code=303)
+            else:
+                answer = JSONResponse(
+                    {"error": {"message": "Sign in to the console first.", "type": "invalid_request_error",
+                               "param": None, "code": "not_signed_in"}},
+                    status_code=401,
+                )
+            await answer(scope, receive, send_with_headers)
+            return
+        scope.setdefault("state", {})
+        scope["state"]["session"] = session
+        scope["state"]["principal"] = principal
+        with accounts.acting_as(principal):
+            await self.app(scope, receive, send_with_headers)
+
+
+def _quote(text: str) -> str:
+    from urllib.parse import quote
+
+    return quote(text, safe="/")
+
+
+def safe_next(target: str | None) -> str:
+    """A redirect target inside the console (anything else, such as another host, becomes the job list)."""
+    if target and target.startswith("/console") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/console/"
+
+
+def create_console(parent: FastAPI) -> FastAPI:
+    """The console application for ``parent`` (the miServer app whose lifespan sets ``state.miserver``). Mount it
+    at ``/console``; :meth:`ConsoleState.from_cookie_header` serves the Socket.IO authentication."""
+    from . import pages
+
+    console = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    cs = ConsoleState(parent)
+    console.state.console = cs
+    static = resources.files("miserver.console") / "static"
+    console.mount("/static", StaticFiles(directory=str(static)), name="static")
+    console.include_router(pages.router)
+
+    @console.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        status, body = exc.answer_for(request.url.path)
+        if "application/json" in request.headers.get("accept", ""):
+            return JSONResponse(body, status_code=status)
+        return cs.templates.TemplateResponse(
+            request,
+            "error.html",
+            {"status": status, "message": exc.message, "param": body["error"].get("param"), "principal": None},
+            status_code=status,
+        )
+
+    @console.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return HTMLResponse("<!doctype html><title>Not found</title><p>Not found.</p>", status_code=404)
+
+    console.add_middleware(ConsoleAuth, cs=cs)
+    return console
+
+
+class ConsoleRoot:
+    """ASGI middleware of the parent app: ``/console`` (which the trailing-slash rule makes of ``/console/`` too)
+    is served as ``/console/``, the console's job list."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") == "/console":
+            scope = {**scope, "path": "/console/", "raw_path": b"/console/"}
+        await self.app(scope, receive, send)
