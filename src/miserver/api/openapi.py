@@ -35,6 +35,7 @@ from pydantic.json_schema import models_json_schema
 
 from ..errors import ANTHROPIC_PREFIX
 from ..protocol.errors import AnthropicErrorResponse, ErrorResponse
+from ..services.accounts import BILLED_ROUTES, OPEN_ROUTES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,8 +53,9 @@ STATIC_FILES = {
 #: Why a status is answered (the description of each documented error response).
 ERROR_MEANINGS = {
     400: "Invalid request: the envelope's `param` names the field and `code` the reason.",
-    401: "Missing or unknown API key.",
-    403: "The key may not do this.",
+    401: "API keys exist and the request carries none, or an unknown or revoked one.",
+    402: "The API key's balance is used up (inference routes).",
+    403: "The key may not do this (an admin route).",
     404: "No such object (file, batch, model, probe, response, lease) or route.",
     409: "Conflict with the object's state (a batch that ended, a file in use, a lease held by another).",
     413: "Too large: the message names the limit and the measured value.",
@@ -185,7 +187,15 @@ def _models(routes: list[tuple[str, Documentation]]) -> list[tuple[type[BaseMode
     return list(wanted)
 
 
-def _operation(path: str, doc: Documentation, operation: dict[str, Any], refs: Mapping[Any, Any]) -> None:
+def _auth_errors(method: str, path: str) -> tuple[int, ...]:
+    """What authentication adds to a route's errors (``services/accounts.authenticate``): 401 on every route but the
+    open ones, 402 on the inference routes."""
+    if (method.upper(), path) in OPEN_ROUTES:
+        return ()
+    return (401, 402) if method.upper() == "POST" and path in BILLED_ROUTES else (401,)
+
+
+def _operation(method: str, path: str, doc: Documentation, operation: dict[str, Any], refs: Mapping[Any, Any]) -> None:
     """Fill one operation of the document from its route's :class:`Documentation` (in place)."""
 
     def ref(model: type[BaseModel], mode: str) -> dict[str, Any]:
@@ -221,7 +231,7 @@ def _operation(path: str, doc: Documentation, operation: dict[str, Any], refs: M
         success["content"] = ok
     envelope = AnthropicErrorResponse if _is_anthropic(path) else ErrorResponse
     responses: dict[str, Any] = {"200": success}
-    for status in doc.errors:
+    for status in sorted({*doc.errors, *_auth_errors(method, path)}):
         responses[str(status)] = {
             "description": ERROR_MEANINGS[status],
             "content": {"application/json": {"schema": ref(envelope, "serialization")}},
@@ -258,7 +268,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
         for method in op.methods:
             operation = document["paths"].get(op.path, {}).get(method.lower())
             if operation is not None:
-                _operation(op.path, op.documentation, operation, refs)
+                _operation(method, op.path, op.documentation, operation, refs)
     for item in document["paths"].values():
         for operation in item.values():
             operation.get("responses", {}).pop("422", None)
