@@ -369,6 +369,19 @@ def batch_status(batch_id: str, url: str) -> None:
     click.echo(json.dumps(_client(url).batches.retrieve(batch_id).model_dump(), indent=2))
 
 
+def _eta_text(b: Any) -> str:
+    """`` eta 14:05:09 (in 3m12s)`` from ``millm.estimated_completion_at``, or a reason it waits; empty if neither."""
+    millm = (b.model_extra or {}).get("millm") or {}
+    parts = ""
+    eta = millm.get("estimated_completion_at")
+    if isinstance(eta, int) and b.status not in TERMINAL:
+        left = max(0, eta - int(time.time()))
+        parts += f" eta {time.strftime('%H:%M:%S', time.localtime(eta))} (in {left // 60}m{left % 60:02d}s)"
+    if millm.get("waiting_reason"):
+        parts += f" waiting={millm['waiting_reason']}"
+    return parts
+
+
 def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool = True) -> Any:
     """Poll until the batch is terminal, with a tqdm progress bar over ``request_counts``."""
     from tqdm import tqdm
@@ -381,7 +394,7 @@ def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool 
             if counts is not None:
                 bar.total = counts.total
                 bar.n = counts.completed + counts.failed
-                bar.set_postfix_str(f"{b.status} failed={counts.failed}")
+                bar.set_postfix_str(f"{b.status} failed={counts.failed}{_eta_text(b)}")
                 bar.refresh()
             if b.status in TERMINAL:
                 return b
@@ -444,6 +457,134 @@ _db_url = click.option(
     "--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL (the server's)."
 )
 _db_dir = click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+
+
+@batch.command("watch")
+@click.argument("batch_id")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
+def batch_watch(batch_id: str, url: str) -> None:
+    """Show a batch's live progress bar with its ETA until it ends; exits 0 when it completed, else 1.
+
+    \b
+    Example:
+      miserver batch watch batch_0193...
+    """
+    final = wait_for_batch(_client(url), batch_id)
+    counts = final.request_counts
+    done = f"{counts.completed} completed, {counts.failed} failed of {counts.total}" if counts else "no rows"
+    click.echo(f"{final.id}: {final.status}, {done}")
+    if final.status != "completed":
+        raise SystemExit(1)
+
+
+@batch.command("list")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 100), help="How many, newest first.")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
+def batch_list(limit: int, url: str) -> None:
+    """List batches, newest first: id, status, rows done of total, failed, and the ETA or why it waits.
+
+    \b
+    Example:
+      miserver batch list --limit 50
+    """
+    page = _client(url).batches.list(limit=limit)
+    for b in page.data:
+        counts = b.request_counts
+        done = f"{counts.completed + counts.failed}/{counts.total} failed={counts.failed}" if counts else "-"
+        click.echo(f"{b.id}  {b.status:<11} {done}{_eta_text(b)}")
+
+
+def _post(url: str, path: str) -> Any:
+    """POST an extension route of ``/v1`` with the SDK's client (errors become one-line messages)."""
+    return _client(url).post(path, cast_to=object)
+
+
+@batch.command("cancel")
+@click.argument("batch_id")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
+def batch_cancel(batch_id: str, url: str) -> None:
+    """Cancel a batch (recorded rows stay; the rest become batch_cancelled error lines); prints its status.
+
+    \b
+    Example:
+      miserver batch cancel batch_0193...
+    """
+    b = _client(url).batches.cancel(batch_id)
+    click.echo(f"{b.id}: {b.status}")
+
+
+@batch.command("pause")
+@click.argument("batch_id")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
+def batch_pause(batch_id: str, url: str) -> None:
+    """Pause a batch at its next row boundary (its window keeps running).
+
+    \b
+    Example:
+      miserver batch pause batch_0193...
+    """
+    b = _post(url, f"/batches/{batch_id}/pause")
+    click.echo(f"{b['id']}: {b['status']}, paused")
+
+
+@batch.command("resume")
+@click.argument("batch_id")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
+def batch_resume(batch_id: str, url: str) -> None:
+    """Resume a paused batch from its first unrecorded row.
+
+    \b
+    Example:
+      miserver batch resume batch_0193...
+    """
+    b = _post(url, f"/batches/{batch_id}/resume")
+    click.echo(f"{b['id']}: {b['status']}, resumed")
+
+
+@batch.command("retry")
+@click.argument("batch_id")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
+def batch_retry(batch_id: str, url: str) -> None:
+    """Create a new batch of an ended batch's failed, cancelled and expired rows; prints the new batch's id.
+
+    \b
+    Example:
+      miserver batch retry batch_0193... && miserver batch watch <the new id>
+    """
+    click.echo(_post(url, f"/batches/{batch_id}/retry")["id"])
+
+
+@batch.command("download")
+@click.argument("batch_id")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write the output lines here.")
+@click.option("--errors", "-e", type=click.Path(dir_okay=False), default=None, help="Write the error lines here.")
+@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@client_errors
+def batch_download(batch_id: str, output: str | None, errors: str | None, url: str) -> None:
+    """Save an ended batch's output file (-o) and error file (-e); a file the batch has not is written empty.
+
+    \b
+    Example:
+      miserver batch download batch_0193... -o results.jsonl -e errors.jsonl
+    """
+    client = _client(url)
+    b = client.batches.retrieve(batch_id)
+    if b.status not in TERMINAL:
+        raise click.ClickException(f"{batch_id} is {b.status}: its files exist once it has ended")
+    if output is None and errors is None:
+        raise click.UsageError("give --output and/or --errors")
+    for target, file_id, what in ((output, b.output_file_id, "output"), (errors, b.error_file_id, "error lines")):
+        if target is None:
+            continue
+        data = client.files.content(file_id).content if file_id else b""
+        Path(target).write_bytes(data)
+        click.echo(f"{what}: {len(data.splitlines())} lines written to {target}")
 
 
 def _on_store(database_url: str | None, data_dir: str, work: Callable[[Any], Any]) -> Any:

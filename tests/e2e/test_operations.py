@@ -13,9 +13,11 @@ from typing import Any
 
 import openai
 import pytest
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 from standardwebhooks.webhooks import Webhook
 
+from miserver.cli import main
 from tests.support.batches import api_error, chat_body, error_of, jsonl, line, read_lines, submit, wait_terminal
 from tests.support.receiver import Receiver
 from tests.support.server import ServerProcess, tiny_server_process, wait_for
@@ -222,6 +224,33 @@ def test_priority_field_is_checked(server: ServerProcess) -> None:
     )
     assert created.model_extra["millm"]["priority"] == 7  # type: ignore[index]
     wait_terminal(client, created.id)
+
+
+def test_cli_list_watch_pause_resume_cancel_retry_download(server: ServerProcess, tmp_path: Path) -> None:
+    client = server.client()
+    url = ["--url", server.base_url]
+
+    def cli(*args: str) -> str:
+        result = CliRunner().invoke(main, ["batch", *args, *url])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    data = jsonl([embed("c-1", "fine"), embed("c-2", TOO_LONG)])
+    batch = submit(client, data, endpoint=EMBEDDINGS)
+    paused = cli("pause", batch.id)
+    assert paused.startswith(f"{batch.id}: ") and paused.strip().endswith(", paused")
+    assert cli("resume", batch.id).strip().endswith(", resumed")
+    assert "1 completed, 1 failed of 2" in cli("watch", batch.id)
+    assert batch.id in cli("list", "--limit", "5")
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    cli("download", batch.id, "-o", str(out), "-e", str(err))
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["c-1"]
+    assert [json.loads(x)["custom_id"] for x in err.read_text().splitlines()] == ["c-2"]
+    retried = cli("retry", batch.id).strip()
+    assert retried.startswith("batch_") and retried != batch.id
+    assert f"{retried}: " in cli("cancel", retried)
+    refused = CliRunner().invoke(main, ["batch", "pause", batch.id, *url])
+    assert refused.exit_code == 1 and "409 batch_not_active" in refused.output
 
 
 def test_a_webhook_survives_kill_9_between_status_change_and_delivery(
