@@ -11,14 +11,19 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..metrics import Metrics
+from ..protocol.batches import Batch
+from ..protocol.operations import DeletedBatch, DeletedWebhook, WebhookList
+from ..protocol.webhooks import WebhookCreateRequest, WebhookObject
 from ..services import operations as service
 from ..services import webhooks as webhooks_service
 from .common import list_object, state
+from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
 
 
 @router.post("/v1/batches/{batch_id}/pause")
+@documented(ok=Batch, errors=CHANGE_ERRORS)
 async def pause_batch(batch_id: str, request: Request) -> dict[str, Any]:
     """The batch, paused (``millm.paused``; ``waiting_reason: paused`` while ``in_progress``); 409 once it ended."""
     st = state(request)
@@ -28,6 +33,7 @@ async def pause_batch(batch_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/batches/{batch_id}/resume")
+@documented(ok=Batch, errors=CHANGE_ERRORS)
 async def resume_batch(batch_id: str, request: Request) -> dict[str, Any]:
     """The batch, no longer paused; 409 once it ended."""
     st = state(request)
@@ -37,6 +43,7 @@ async def resume_batch(batch_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/batches/{batch_id}/retry")
+@documented(ok=Batch, errors=CHANGE_ERRORS)
 async def retry_batch(batch_id: str, request: Request) -> dict[str, Any]:
     """A new batch of the failed, cancelled and expired rows of an ended batch (``metadata.retry_of``)."""
     st = state(request)
@@ -51,12 +58,14 @@ async def retry_batch(batch_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.delete("/v1/batches/{batch_id}")
+@documented(ok=DeletedBatch, errors=CHANGE_ERRORS)
 async def delete_batch(batch_id: str, request: Request) -> dict[str, Any]:
     """``{id, object: "batch", deleted: true}`` for an ended batch (its rows go; its files stay); 409 before."""
     return await service.delete(state(request).store, batch_id)
 
 
 @router.get("/v1/batches/{batch_id}/results")
+@documented(ok_media="application/jsonl", errors=LOOKUP_ERRORS)
 async def batch_results(
     batch_id: str,
     request: Request,
@@ -75,6 +84,7 @@ async def batch_results(
 
 
 @router.post("/api/webhooks")
+@documented(body=WebhookCreateRequest, ok=WebhookObject)
 async def create_webhook(request: Request) -> dict[str, Any]:
     """``{id, object, url, events, created_at, secret}``: the secret (``whsec_...``) is shown this once."""
     st = state(request)
@@ -84,18 +94,21 @@ async def create_webhook(request: Request) -> dict[str, Any]:
 
 
 @router.get("/api/webhooks")
+@documented(ok=WebhookList)
 async def list_webhooks(request: Request) -> dict[str, Any]:
     """The registered endpoints (without their secrets), oldest first."""
     return list_object(await webhooks_service.list_all(state(request).store), False)
 
 
 @router.delete("/api/webhooks/{webhook_id}")
+@documented(ok=DeletedWebhook, errors=LOOKUP_ERRORS)
 async def delete_webhook(webhook_id: str, request: Request) -> dict[str, Any]:
     """``{id, object, deleted: true}``; 404 when there is no such endpoint."""
     return await webhooks_service.delete(state(request).store, webhook_id)
 
 
 @router.get("/metrics")
+@documented(ok_media="text/plain")
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition (see :mod:`miserver.metrics` for the series)."""
     st = state(request)
