@@ -7,9 +7,9 @@ Every batch row, packed or not, whatever the endpoint, passes through :func:`run
 2. each :class:`~miserver.services.many.Outcome` becomes an output or error line (:mod:`miserver.batches.output`)
    and is recorded in its own transaction, fenced by the claim token (a taken-over claim cannot record);
 3. the rules that end a chunk early live once, in the ``should_stop`` the service asks before each row or pack:
-   the runner is stopping, or a cancel arrived (read in the transaction of every record); and, once at least one
-   row was recorded (a chunk always makes progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is spent or an
-   interactive request waits for the gate (interactive first, DESIGN §5). A row or pack that already started
+   the runner is stopping, or a cancel or a pause arrived (read in the transaction of every record); and, once at
+   least one row was recorded (a chunk always makes progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is
+   spent or an interactive request waits for the gate (interactive first, DESIGN §5). A row or pack that already started
    always finishes and is recorded. Batched generation keeps many rows in flight and asks before every decode step:
    all rules but the time bound (``Call.interrupt``) end it at once, dropping its rows in flight unrecorded (they
    stay pending); the time bound only stops new rows from starting while the rows in flight finish.

@@ -174,7 +174,8 @@ class BatchRunner:
 
     async def _run_next(self, running: list[BatchRecord]) -> bool:
         """Plan the running batches (:func:`~miserver.batches.scheduling.plan`), store their ETAs and waiting
-        reasons, and run one chunk of the first batch in the plan's order that is ready."""
+        reasons, let each runnable batch of an upstream pool take its step, and run one chunk on the resident engine
+        for the first resident batch in the plan's order that is ready."""
         async with self.store.tx() as conn:
             pending = await store_operations.pending_by_batch(conn, [b.id for b in running])
             rates = await store_operations.rates(conn)
@@ -203,8 +204,15 @@ class BatchRunner:
         await self._store_estimates(running, decision)
         for batch_id, reason in decision.waiting.items():
             await self._set_waiting(by_id[batch_id], reason, None)
+        # batches whose rows go to upstream pools do not share the resident engine: each takes its step
+        upstream = [b for b in decision.order if self.upstream.serves(by_id[b])]
+        busy = False
+        for batch_id in upstream:
+            busy |= await self._advance_running(by_id[batch_id])
         for batch_id in decision.order:
             batch = by_id[batch_id]
+            if batch_id in upstream:
+                continue
             if await self._advance_running(batch, take_over=True):
                 candidate = next(c for c in candidates if c.id == batch_id)
                 for other in decision.order:
@@ -213,7 +221,7 @@ class BatchRunner:
                 self.fair.charge(candidate, self._last_chunk_rows)
                 await self._yield_share()
                 return True
-        return False
+        return busy
 
     async def _store_estimates(self, running: list[BatchRecord], decision: scheduling.Decision) -> None:
         changed = []

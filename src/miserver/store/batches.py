@@ -230,8 +230,9 @@ async def try_transition(
 
     ``values`` are further columns to set in the same statement (``errors`` is JSON-encoded). A move to
     ``finalizing`` or ``completed`` also requires that no row of the batch is pending (a stale read can never finish
-    a batch with unrun rows). Returns whether the row changed: for the callers that expect a miss (a cancel of a
-    batch that already ended); every other caller uses :func:`transition`.
+    a batch with unrun rows). A move to a terminal status writes its webhook events (:func:`~miserver.store.outbox.
+    enqueue`) in the same transaction. Returns whether the row changed: for the callers that expect a miss (a
+    cancel of a batch that already ended); every other caller uses :func:`transition`.
     """
     cond = [batches.c.id == batch_id, batches.c.status.in_(allowed)]
     if to in _NEEDS_NO_PENDING:
