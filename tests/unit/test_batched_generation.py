@@ -77,7 +77,10 @@ def assert_same(single: GenerationResult, packed: GenerationResult) -> None:
 
 async def test_packed_equals_single_at_temperature_zero(engine: LocalEngine) -> None:
     assert isinstance(engine, GeneratesMany)
-    requests = [req(engine, t, max_tokens=3 + 5 * i, temperature=0, logprobs=2) for i, t in enumerate(PROMPTS)]
+    requests = [
+        req(engine, t, max_tokens=3 + 4 * i, temperature=0, logprobs=2 if i % 3 == 1 else None)
+        for i, t in enumerate(PROMPTS)
+    ]
     singles = [await engine.generate(r) for r in requests]
     done = await many(engine, requests, slots=4)
     assert sorted(g.index for g in done) == list(range(len(requests)))
@@ -88,15 +91,15 @@ async def test_packed_equals_single_at_temperature_zero(engine: LocalEngine) -> 
 
 
 async def test_per_row_stops_limits_seeds_and_n(engine: LocalEngine) -> None:
-    free = await engine.generate(req(engine, PROMPTS[1], max_tokens=16, temperature=0))
+    free = await engine.generate(req(engine, PROMPTS[1], max_tokens=12, temperature=0))
     text = free.sequences[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string that the row meets halfway
     assert stop and stop in text
     requests = [
-        req(engine, PROMPTS[1], max_tokens=16, temperature=0, stop=(stop,)),
+        req(engine, PROMPTS[1], max_tokens=12, temperature=0, stop=(stop,)),
         req(engine, PROMPTS[0], max_tokens=2, temperature=0),
-        req(engine, PROMPTS[2], n=3, max_tokens=6, temperature=1.0, top_p=0.9, seed=7, logprobs=0),
-        req(engine, PROMPTS[3], max_tokens=5, temperature=0.8, seed=123),
+        req(engine, PROMPTS[2], n=2, max_tokens=3, temperature=1.0, top_p=0.9, seed=7, logprobs=0),
+        req(engine, PROMPTS[3], max_tokens=3, temperature=0.8, seed=123),
     ]
     singles = [await engine.generate(r) for r in requests]
     first = by_index(await many(engine, requests, slots=3))
@@ -108,7 +111,7 @@ async def test_per_row_stops_limits_seeds_and_n(engine: LocalEngine) -> None:
         assert_same(single, first[i])  # sampled rows too: their own generators, logits within rounding
         assert_same(first[i], again[i])  # same seed, same output within packed mode
     seqs = first[2].sequences
-    assert len({tuple(s.token_ids) for s in seqs}) > 1, "the n samples use seeds seed, seed+1, seed+2"
+    assert len({tuple(s.token_ids) for s in seqs}) > 1, "the n samples use seeds seed and seed+1"
 
 
 async def test_a_finished_row_frees_its_slot_for_the_next(engine: LocalEngine) -> None:
