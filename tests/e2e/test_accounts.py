@@ -107,6 +107,7 @@ def test_keys_authentication_and_tenant_isolation(accounts: Accounts) -> None:
     a_id, a_key, a = accounts.key("team-a")
     b_id, b_key, b = accounts.key("team-b")
     assert http.get("/api/keys", headers=_auth(a_key)).status_code == 403
+    assert http.post("/api/models/unload", headers=_auth(a_key)).status_code == 403  # model life is for admins
     listed = http.get("/api/keys", headers=_auth(accounts.admin))
     assert a_key not in listed.text and b_key not in listed.text and all("key" not in k for k in listed.json()["data"])
     assert {a_id, b_id} <= {k["id"] for k in listed.json()["data"]}
