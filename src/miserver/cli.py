@@ -62,7 +62,7 @@ def upstream_options(command: Callable[P, R]) -> Callable[P, R]:
     return click.option(
         "--upstream",
         multiple=True,
-        metavar="NAME=URL[;max_in_flight=N][;api_key_env=VAR]",
+        metavar="NAME=URL[;max_in_flight=N][;api_key_env=VAR][;total_timeout=S]",
         help="An OpenAI-compatible server to send requests for its models to (repeatable; env MISERVER_UPSTREAMS "
         "as name=url,name=url). The API key is read from the variable api_key_env names.",
     )(command)

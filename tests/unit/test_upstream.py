@@ -22,6 +22,8 @@ def test_entries_with_options_and_the_problems_of_bad_ones() -> None:
     assert a.api_key({"VLLM_KEY": "s3"}) == "s3" and a.api_key({}) is None
     assert parse_entry("b=https://h/v1/", 4).base_url == "https://h/v1"
     assert parse_entry("b=http://h", 4).max_in_flight == 4
+    timed = Upstream(parse_entry("t=http://h;total_timeout=1.5"), Timeouts(first_byte=300, total=600))
+    assert (timed.timeouts.total, timed.timeouts.first_byte) == (1.5, 1.5)
     configs, problems = parse_upstreams(["a=http://x:1, b=ftp://y", "c", "a=http://z:2", "d=http://w;max_in_flight=0"])
     assert [c.name for c in configs] == ["a"]
     assert len(problems) == 4

@@ -169,7 +169,8 @@ class ServiceContext:
                 f"send the exact id '{tagged[0]}' (as GET /v1/models lists it).",
                 param="model",
             )
-        listed = ", ".join(f"'{m}'" for m in served) or "none"
+        upstream = [p.model for p in self.gateway.models() if p.model not in served] if self.gateway else []
+        listed = ", ".join(f"'{m}'" for m in [*served, *upstream]) or "none"
         raise ModelNotFoundError(
             f"The model '{name}' does not exist or you do not have access to it. Models served: {listed}.",
             param="model",

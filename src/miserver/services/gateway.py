@@ -155,7 +155,8 @@ async def create(
 ) -> ServiceResult | StreamResult:
     """A synchronous request for an upstream model (``req`` is the body as ``parse`` checked it).
 
-    Takes the pool's gate at ``call.priority``; all attempts end within the total timeout of the request's start.
+    Takes the pool's gate at ``call.priority``; all attempts end within the total timeout (its members' longest) of
+    the request's start.
     Raises 503 ``upstream_unavailable`` when no member is live, 504 ``upstream_timeout``, or the upstream's own error
     (:class:`~miserver.errors.UpstreamError`). A stream holds its gate slot until the relay ends.
     """
@@ -164,7 +165,7 @@ async def create(
         raise _unavailable(pool)
     gateway = _gateway(ctx)
     model = body["model"]
-    deadline = time.monotonic() + gateway.timeouts.total
+    deadline = time.monotonic() + max((u.timeouts.total for u in pool.members), default=gateway.timeouts.total)
     kwargs: dict[str, Any] = {"request_id": random_id("req_"), "policy": gateway.policy, "deadline": deadline}
     if getattr(req, "stream", None) is True:
         slot = await pool.gate.acquire(call.priority)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -55,6 +55,9 @@ class Upstream:
     def __init__(self, config: UpstreamConfig, timeouts: Timeouts) -> None:
         self.config = config
         self.name = config.name
+        if config.total_timeout is not None:
+            total = config.total_timeout
+            timeouts = replace(timeouts, total=total, first_byte=min(timeouts.first_byte, total))
         self.timeouts = timeouts
         size = config.max_in_flight + SPARE_CONNECTIONS
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)

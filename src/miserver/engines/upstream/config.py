@@ -2,10 +2,11 @@
 
 An entry is ``name=url`` optionally followed by ``;option=value`` pairs::
 
-    vllm-a=http://10.0.0.5:8000;max_in_flight=32;api_key_env=VLLM_A_KEY
+    vllm-a=http://10.0.0.5:8000;max_in_flight=32;api_key_env=VLLM_A_KEY;total_timeout=120
 
 ``url`` is the server's base URL, with or without the trailing ``/v1``. ``api_key_env`` names the environment
 variable that holds the API key sent as ``Authorization: Bearer`` (a key is never written on the command line).
+``total_timeout`` (seconds) replaces ``MISERVER_UPSTREAM_TOTAL_TIMEOUT`` for this upstream.
 Several entries are separated by commas (``MISERVER_UPSTREAMS``) or given as repeated ``--upstream`` options.
 """
 
@@ -29,12 +30,14 @@ class UpstreamConfigError(ValueError):
 @dataclass(frozen=True)
 class UpstreamConfig:
     """One upstream: ``name`` (in ``X-miLLM-Backend: upstream:<name>``), ``base_url`` (ending in ``/v1``),
-    ``max_in_flight`` (requests sent to it at once, at least 1) and ``api_key_env`` (None: no key)."""
+    ``max_in_flight`` (requests sent to it at once, at least 1), ``api_key_env`` (None: no key) and
+    ``total_timeout`` (seconds of one attempt; None: the server-wide setting)."""
 
     name: str
     base_url: str
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     api_key_env: str | None = None
+    total_timeout: float | None = None
 
     def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The API key read from ``api_key_env`` now (None when no variable is named or it is unset or empty)."""
@@ -71,19 +74,28 @@ def parse_entry(entry: str, default_max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) 
     base = url.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
-    max_in_flight, key_env = default_max_in_flight, None
+    max_in_flight, key_env, total = default_max_in_flight, None, None
     for option in options:
         key, sep, value = (x.strip() for x in option.partition("="))
         if key == "max_in_flight" and sep and value.isdigit() and int(value) >= 1:
             max_in_flight = int(value)
         elif key == "api_key_env" and sep and value:
             key_env = value
+        elif key == "total_timeout" and sep and _positive(value):
+            total = float(value)
         else:
             raise UpstreamConfigError(
                 f"upstream {name!r}: unknown or invalid option {option!r} (options: max_in_flight=N with N >= 1, "
-                "api_key_env=VARIABLE)"
+                "api_key_env=VARIABLE, total_timeout=SECONDS)"
             )
-    return UpstreamConfig(name, base, max_in_flight, key_env)
+    return UpstreamConfig(name, base, max_in_flight, key_env, total)
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def parse_upstreams(
