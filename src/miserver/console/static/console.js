@@ -15,19 +15,40 @@
 
   function field(node, name) { return node.querySelector('[data-field="' + name + '"]'); }
 
+  var inflight = {};  // batch id -> true while its row is being fetched; "again" when a newer change came meanwhile
+
+  function rowOf(id) {
+    var nodes = watched();
+    for (var i = 0; i < nodes.length; i++) if (nodes[i].getAttribute("data-batch-id") === id) return nodes[i];
+    return null;
+  }
+
   function refreshRow(node) {
     var id = node.getAttribute("data-batch-id");
-    if (node.id === "detail") { window.location.reload(); return; }
+    if (node.id === "detail") {  // the detail page: in place until the job ends, then once in full
+      if (TERMINAL.indexOf(node.getAttribute("data-status")) >= 0) window.location.reload();
+      return;
+    }
+    if (inflight[id]) { inflight[id] = "again"; return; }
+    inflight[id] = true;
     var next = node.getAttribute("data-next") || "/console/";
     fetch("/console/batches/" + encodeURIComponent(id) + "/row?next=" + encodeURIComponent(next),
           {credentials: "same-origin", headers: {"Accept": "text/html"}})
       .then(function (r) { return r.ok ? r.text() : null; })
       .then(function (html) {
-        if (!html) return;
-        var body = document.createElement("tbody");
-        body.innerHTML = html.trim();
-        var row = body.firstElementChild;
-        if (row && node.parentNode) node.parentNode.replaceChild(row, node);
+        var current = rowOf(id);
+        if (html && current && current.parentNode) {
+          var body = document.createElement("tbody");
+          body.innerHTML = html.trim();
+          var row = body.firstElementChild;
+          if (row) current.parentNode.replaceChild(row, current);
+        }
+      })
+      .finally(function () {
+        var again = inflight[id] === "again";
+        delete inflight[id];
+        var current = rowOf(id);
+        if (again && current) refreshRow(current);
       });
   }
 
