@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test serve bench clean
+.PHONY: install demo lint test serve bench clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,10 @@ lint: $(STAMP)  ## ruff (lint and import order), then mypy --strict over src/mis
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/mypy
 
-test: lint  ## the checks above, then the whole suite (unit, integration on SQLite and PostgreSQL, end to end)
+browser:  ## Debian's chromium for the console's browser tests (Playwright drives it; never a browser download)
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+
+test: lint browser  ## the checks above, then the whole suite (unit, integration on SQLite and PostgreSQL, end to end)
 	$(BIN)/python -m pytest tests
 
 serve: $(STAMP)  ## the server alone, on the embedded defaults
