@@ -11,9 +11,13 @@ directory, AG News topic rows (the few-shot chat rows of ``bench/batch_vs_direct
    (1,000) row batch, and once that one has recorded its first rows, the same small batch again; the large one is
    cancelled after. Reports both times and their ratio (goal: at most 2x).
 
+``--tiny`` runs the same on the tests' tiny random Llama (built in a temporary directory; seconds per batch instead
+of minutes): it checks the mechanism on a loaded machine, not the real model's numbers.
+
 Writes the numbers with the date to ``bench/results/operations.json`` (git-ignored). Example::
 
     nice .venv/bin/python bench/operations.py --eta-rows 200 --large-rows 1000 --small-rows 10
+    nice .venv/bin/python bench/operations.py --tiny --max-tokens 4
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from tests.support.agnews import LABELS, balanced_items, few_shot_messages  # no
 
 RESULTS = ROOT / "bench" / "results" / "operations.json"
 POLL_SECONDS = 0.5
+MODEL = EMBEDDED_MODEL_ID
 
 
 def rows_file(prefix: str, n: int, max_tokens: int) -> bytes:
@@ -48,7 +53,7 @@ def rows_file(prefix: str, n: int, max_tokens: int) -> bytes:
     for i in range(n):
         row = items[i % len(items)]
         body = {
-            "model": EMBEDDED_MODEL_ID,
+            "model": MODEL,
             "messages": few_shot_messages(f"{row['title']}. {row['description']}"),
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -135,10 +140,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--skip-eta", action="store_true")
     parser.add_argument("--skip-fairness", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny random model instead of SmolLM2")
     args = parser.parse_args()
     results: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(), "machine": platform.node()}
+    global MODEL
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(data_dir=Path(tmp) / "var", database_url=f"sqlite:///{tmp}/bench.db")
+        extra: dict[str, Any] = {}
+        if args.tiny:
+            from tests.support.tiny_model import build_tiny_model
+
+            extra = {"model": str(build_tiny_model(Path(tmp) / "tiny")), "served_model_name": "tiny"}
+            MODEL = "tiny"
+        results["model"] = MODEL
+        server = ServerProcess(data_dir=Path(tmp) / "var", database_url=f"sqlite:///{tmp}/bench.db", **extra)
         with server:
             client = server.client()
             if not args.skip_eta:
