@@ -86,8 +86,8 @@ def main() -> None:
         for k in range(args.rounds):
             rounds.append(one_round(http, k))
             print(json.dumps(rounds[-1]))
-    median = {key: statistics.median(r[key] for r in rounds) for key in ("save_seconds", "load_seconds",
-                                                                             "catalogue_load_seconds")}  # fmt: skip
+    keys = ("save_seconds", "load_seconds", "catalogue_load_seconds")
+    median = {key: round(statistics.median(r[key] for r in rounds), 3) for key in keys}
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
