@@ -244,6 +244,12 @@ class Settings(BaseSettings):
         gt=0,
         description="first retry delay of a failed webhook delivery; each next one is 4 times longer (7 attempts)",
     )
+    webhook_progress_seconds: float = Field(
+        60.0,
+        validation_alias=_env("MISERVER_WEBHOOK_PROGRESS_SECONDS"),
+        ge=1.0,
+        description="batch.progress events of one batch go to an endpoint at most this often",
+    )
 
     @field_validator("batch_hours_timezone")
     @classmethod

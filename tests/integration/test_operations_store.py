@@ -164,3 +164,25 @@ async def test_status_change_and_its_webhook_events_commit_together(store: Store
         await sob.delivered(conn, due[0].id, at=now())
         assert await sob.counts(conn) == {"pending": 0, "delivered": 1, "failed": 0}
         assert other.events == ["batch.failed"]
+
+
+async def test_progress_events_are_written_at_most_every_interval(store: Store) -> None:
+    batch = await create_batch(store, input_lines("g", 1))
+    async with store.tx() as conn:
+        await sob.insert_webhook(
+            conn,
+            url="https://example.com/p",
+            events=["batch.progress"],
+            secret="whsec_x",
+            owner_key_id=None,
+            created_at=0,
+        )
+        await sob.insert_webhook(
+            conn, url="https://example.com/q", events=["batch.progress"], secret="whsec_y", owner_key_id="key_other",
+            created_at=0,
+        )  # fmt: skip
+        written = [
+            await sob.enqueue_progress(conn, batch_id=batch.id, owner_key_id=None, at=at, min_interval=60)
+            for at in (1000, 1030, 1060, 1100)
+        ]
+    assert written == [1, 0, 1, 0], "one endpoint (the other key's sees nothing), at most every 60 s"

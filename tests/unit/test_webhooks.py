@@ -31,6 +31,7 @@ def test_create_bodies_are_checked_naming_the_param() -> None:
         ({"url": "https://example.com/x", "events": ["batch.completed", "batch.nope"]}, "events[1]"),
         ({"url": "https://example.com/x", "events": ["batch.failed"], "secret": "mine"}, "secret"),
     ]
+    assert webhooks.check({"url": "https://example.com/x", "events": ["batch.progress"]}).events == ["batch.progress"]
     for body, param in cases:
         with pytest.raises(InvalidRequestError) as caught:
             webhooks.check(body)

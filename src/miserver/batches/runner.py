@@ -26,7 +26,7 @@ from ..services import accounts, billing
 from ..services.context import ServiceContext
 from ..services.registry import SERVICES
 from ..settings import Settings
-from ..store import Store
+from ..store import Store, outbox
 from ..store import batches as store_batches
 from ..store import keys as store_keys
 from ..store import models as store_models
@@ -482,9 +482,20 @@ class BatchRunner:
         )
 
     async def _measured(self, batch: BatchRecord, report: chunks.ChunkReport, seconds: float) -> None:
-        """Fold a chunk into the measured rate of its model and endpoint (the ETA's input, persisted)."""
+        """Fold a chunk into the measured rate of its model and endpoint (the ETA's input, persisted), and write the
+        batch's ``batch.progress`` webhook events that are due."""
         self._last_chunk_rows, self._last_chunk_seconds = report.recorded, seconds
-        if report.recorded == 0 or batch.model is None:
+        if report.recorded == 0:
+            return
+        async with self.store.tx() as conn:  # batch.progress webhooks, at most every MISERVER_WEBHOOK_PROGRESS_SECONDS
+            await outbox.enqueue_progress(
+                conn,
+                batch_id=batch.id,
+                owner_key_id=batch.owner_key_id,
+                at=now(),
+                min_interval=self.settings.webhook_progress_seconds,
+            )
+        if batch.model is None:
             return
         async with self.store.tx() as conn:
             await store_operations.record_rate(

@@ -25,8 +25,9 @@ from ..store import outbox as store_outbox
 from . import accounts
 from .common import decode_json
 
-#: The events an endpoint may subscribe to (``batch.progress`` is not sent by this release).
-EVENTS: tuple[str, ...] = tuple(store_outbox.STATUS_EVENTS.values())
+#: The events an endpoint may subscribe to: the terminal statuses, and ``batch.progress`` while a batch runs (at
+#: most every ``MISERVER_WEBHOOK_PROGRESS_SECONDS``).
+EVENTS: tuple[str, ...] = (*store_outbox.STATUS_EVENTS.values(), store_outbox.PROGRESS_EVENT)
 
 
 class DestinationRefused(Exception):

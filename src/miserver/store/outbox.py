@@ -19,6 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ..ids import ordered_id
 from .schema import webhook_outbox, webhooks
 
+#: The event sent while a batch runs (at most every ``MISERVER_WEBHOOK_PROGRESS_SECONDS`` per batch and endpoint).
+PROGRESS_EVENT = "batch.progress"
 #: Batch statuses that raise an event, and the event's type.
 STATUS_EVENTS = {
     "completed": "batch.completed",
@@ -124,6 +126,48 @@ async def enqueue(conn: AsyncConnection, *, batch_id: str, owner_key_id: str | N
     ]
     if values:
         await conn.execute(insert(webhook_outbox), values)
+    return len(values)
+
+
+async def enqueue_progress(
+    conn: AsyncConnection, *, batch_id: str, owner_key_id: str | None, at: int, min_interval: float
+) -> int:
+    """Write a ``batch.progress`` event for each endpoint subscribed to it (and allowed to see the batch) that got no
+    progress event of this batch in the last ``min_interval`` seconds; returns the rows written."""
+    hooks = [
+        w
+        for w in await list_webhooks(conn)
+        if PROGRESS_EVENT in w.events and (w.owner_key_id is None or w.owner_key_id == owner_key_id)
+    ]
+    if not hooks:
+        return 0
+    q = (
+        select(webhook_outbox.c.webhook_id, func.max(webhook_outbox.c.created_at))
+        .where(webhook_outbox.c.batch_id == batch_id, webhook_outbox.c.event_type == PROGRESS_EVENT)
+        .group_by(webhook_outbox.c.webhook_id)
+    )
+    last = {str(w): int(t) for w, t in (await conn.execute(q)).all()}
+    due = [w for w in hooks if w.id not in last or at - last[w.id] >= min_interval]
+    if not due:
+        return 0
+    event_id = ordered_id("evt_")
+    payload = event_payload(event_id, PROGRESS_EVENT, batch_id, at)
+    values = [
+        {
+            "id": ordered_id("msg_"),
+            "event_id": event_id,
+            "webhook_id": w.id,
+            "event_type": PROGRESS_EVENT,
+            "batch_id": batch_id,
+            "payload": payload,
+            "created_at": at,
+            "state": "pending",
+            "attempts": 0,
+            "next_attempt_at": at * 1000,
+        }
+        for w in due
+    ]
+    await conn.execute(insert(webhook_outbox), values)
     return len(values)
 
 
