@@ -122,8 +122,12 @@ def test_lease_rules_of_weight_writes(server: ServerProcess) -> None:
         http.post(f"/api/lease/{lease}/release")
 
 
-def rows(n: int, max_tokens: int) -> bytes:
-    return jsonl(line(f"r{i:02d}", chat_body(f"Tell me about {i}", max_tokens=max_tokens)) for i in range(n))
+def rows(n: int, max_tokens: int, *, quick: int = 0) -> bytes:
+    """``n`` chat rows of ``max_tokens`` each, but the first ``quick`` rows of 4 tokens: a test that waits for the
+    first recorded row then has the long rows' time to act while the batch still runs."""
+    return jsonl(
+        line(f"r{i:02d}", chat_body(f"Tell me about {i}", max_tokens=4 if i < quick else max_tokens)) for i in range(n)
+    )
 
 
 def revisions(client: Any, batch: Any) -> list[str]:
@@ -147,17 +151,17 @@ def test_a_batch_across_a_commit_with_and_without_the_pin(server: ServerProcess)
         ok(http.post("/api/models/load", json={"model": "tiny"}, headers=headers))  # the weights of its source
         old = revision(http)
         # unpinned: rows recorded before the commit carry the old revision, rows after it the new one
-        batch = submit(client, rows(10, 32), extra_headers=headers)
+        batch = submit(client, rows(10, 64, quick=2), extra_headers=headers)
         wait_for(lambda: (client.batches.retrieve(batch.id).request_counts.completed or 0) >= 1, timeout=120)
         new = commit_negated_norm(http, lease)
-        done = wait_terminal(client, batch.id)
+        done = wait_terminal(client, batch.id, timeout=600)
         assert done.status == "completed"
         seen = revisions(client, done)
         assert seen[0] == old and seen[-1] == new and set(seen) == {old, new}
         assert seen == sorted(seen, key=lambda r: r == new)  # never mixed: old ones, then new ones
 
         # pinned to the revision it started on: once the revision changes, the remaining rows wait
-        pinned = submit(client, rows(10, 32), extra_headers=headers, extra_body={"weights_revision": new})
+        pinned = submit(client, rows(10, 64, quick=2), extra_headers=headers, extra_body={"weights_revision": new})
         assert pinned.model_extra is not None and pinned.model_extra["millm"]["weights_revision"] == new
         wait_for(lambda: (client.batches.retrieve(pinned.id).request_counts.completed or 0) >= 1, timeout=120)
         newer = commit_negated_norm(http, lease)  # negated twice: the base weights, under a third revision
@@ -175,7 +179,7 @@ def test_a_batch_across_a_commit_with_and_without_the_pin(server: ServerProcess)
         ok(http.post("/api/models/load", json={"model": "tiny"}, headers=headers))
         assert revision(http) == old
         assert commit_negated_norm(http, lease) == new
-        final = wait_terminal(client, pinned.id)
+        final = wait_terminal(client, pinned.id, timeout=600)
         assert final.status == "completed"
         assert set(revisions(client, final)) == {new}  # every row on the one revision it was pinned to
     finally:
