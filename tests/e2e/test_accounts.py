@@ -170,6 +170,16 @@ def test_keys_authentication_and_tenant_isolation(accounts: Accounts) -> None:
     assert total(mine, "requests") == 3
     assert usage_of(http, accounts.admin, key=a_id, kind="batch")["data"] == mine["data"]
 
+    # the live lease's token is an admin's to see: another key sees its holder only
+    taken = http.post("/api/lease", json={"holder": "ops", "ttl_seconds": 60}, headers=_auth(accounts.admin)).json()
+    try:
+        seen = http.get("/api/lease", headers=_auth(b_key)).json()
+        assert seen["holder"] == "ops" and seen["lease"] is None
+        assert http.get("/api/lease", headers=_auth(accounts.admin)).json()["lease"] == taken["lease"]
+    finally:
+        released = http.post(f"/api/lease/{taken['lease']}/release", headers=_auth(accounts.admin))
+        assert released.status_code == 200
+
 
 def test_prices_usage_records_and_batch_usage(accounts: Accounts) -> None:
     http = accounts.http

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from ..protocol.server import Health, HealthDetailed
 from ..scheduler import Priority
+from ..services import accounts
 from ..store import rows as store_rows
 from .common import state
 from .openapi import documented
@@ -51,5 +52,5 @@ async def health_detailed(request: Request) -> dict[str, Any]:
             "context_length": engine.info.context_length,
         },
         "loading": st.ctx.loading,
-        "lease": lease.as_json() if lease else None,
+        "lease": accounts.shown_lease(lease.as_json()) if lease else None,  # the token for admins only
     }

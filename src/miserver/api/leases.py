@@ -10,6 +10,7 @@ from ..errors import InvalidRequestError
 from ..protocol.batches import Batch
 from ..protocol.common import parse_request
 from ..protocol.server import LeaseObject, LeaseReleased, LeaseRequest, RenewRequest
+from ..services import accounts
 from ..services import batches as batches_service
 from .common import json_body, state, strict_mode
 from .openapi import CHANGE_ERRORS, documented
@@ -20,9 +21,10 @@ router = APIRouter()
 @router.get("/api/lease")
 @documented(ok=LeaseObject)
 async def current_lease(request: Request) -> dict[str, Any]:
-    """The live lease, or ``{"lease": null}``."""
+    """The live lease, or ``{"lease": null}``. Its token is shown to admin keys only (accounts, issue 13): another key
+    sees the holder and the expiry, never the token that would let it renew or release another's lease."""
     live = state(request).ctx.leases.current()
-    return live.as_json() if live else {"lease": None, "holder": None, "expires_at": None}
+    return accounts.shown_lease(live.as_json()) if live else {"lease": None, "holder": None, "expires_at": None}
 
 
 @router.post("/api/lease")

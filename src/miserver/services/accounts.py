@@ -106,6 +106,12 @@ def keyed_route(route: str) -> str:
     return route if owner is None else f"{route}:{owner}"
 
 
+def shown_lease(lease: dict[str, Any]) -> dict[str, Any]:
+    """A lease object as the current caller may see it: whole for an admin; without its token (``lease: null``) for
+    any other key, so that it cannot renew or release another holder's lease."""
+    return lease if current().admin else {**lease, "lease": None}
+
+
 @contextlib.contextmanager
 def acting_as(principal: Principal) -> Iterator[None]:
     """Run the enclosed code as ``principal`` (the runner, for a batch's owner)."""
