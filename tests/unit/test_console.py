@@ -58,6 +58,12 @@ def test_sessions_expire_renew_and_drop() -> None:
     b = sessions.create(None)
     sessions.drop(b.token)
     assert sessions.get(b.token) is None and sessions.get(None) is None and sessions.get("nope") is None
+    few = Sessions(clock=clock, lifetime=100, max_sessions=2)
+    first, second = few.create("k1"), few.create("k2")
+    clock.now += 1
+    assert few.get(second.token) is second  # renewed: first is now the closest to expiry
+    few.create("k3")
+    assert few.get(first.token) is None and few.get(second.token) is second
 
 
 def test_failure_limit() -> None:

@@ -23,6 +23,8 @@ SESSION_SECONDS = 12 * 3600
 #: Wrong keys allowed per client address within :data:`FAILURE_WINDOW_SECONDS`.
 MAX_FAILURES = 5
 FAILURE_WINDOW_SECONDS = 60.0
+#: The most sessions kept at once; beyond it the session closest to expiry is dropped (bounded memory).
+MAX_SESSIONS = 10_000
 
 
 @dataclass
@@ -40,14 +42,24 @@ class Session:
 class Sessions:
     """The sessions of this process, by token. ``clock`` is monotonic seconds (injectable for tests)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, lifetime: float = SESSION_SECONDS) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        lifetime: float = SESSION_SECONDS,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
         self._clock = clock
         self._lifetime = lifetime
+        self._max = max_sessions
         self._by_token: dict[str, Session] = {}
 
     def create(self, key_id: str | None) -> Session:
-        """A new session for ``key_id`` with fresh random token and CSRF token (32 bytes each)."""
+        """A new session for ``key_id`` with fresh random token and CSRF token (32 bytes each); when
+        ``max_sessions`` are kept already, the one closest to expiry is dropped first."""
         self._sweep()
+        if len(self._by_token) >= self._max:
+            oldest = min(self._by_token.values(), key=lambda s: s.expires_at)
+            del self._by_token[oldest.token]
         session = Session(
             token=secrets.token_urlsafe(32),
             key_id=key_id,
