@@ -27,8 +27,11 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 
 from miserver.api.openapi import STATIC_FILES, STATIC_PREFIX
+from tests.support.batches import read_lines, submit, wait_terminal
+from tests.support.fuzz_lines import ENDPOINT, MODEL, Line, batch_file, param_problem
 from tests.support.server import ServerProcess, tiny_server_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +63,7 @@ MAX_EXAMPLES = 8
 MAX_SECONDS = 60
 SEED = 18
 #: The fuzzed model's context in tokens (see ``fuzz_server``).
-CONTEXT = 64
+CONTEXT = 128
 VENDORED = ROOT / "src/miserver/api/static/swagger-ui/VENDORED.md"
 
 
@@ -68,7 +71,7 @@ VENDORED = ROOT / "src/miserver/api/static/swagger-ui/VENDORED.md"
 def fuzz_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The tiny model with a context of :data:`CONTEXT` tokens, served as ``tiny`` on SQLite, for this module alone
     (the fuzzing leaves leases and probes behind). A generated request that sets no ``max_tokens`` generates up to
-    the context's end: with 64 positions instead of 512 such a case costs a fraction of a second, not many."""
+    the context's end: with 128 positions instead of 512 such a case costs a fraction of a second, not seconds."""
     root = tmp_path_factory.mktemp("schema-fuzz")
     model = shutil.copytree(tiny_model_dir, root / "model")
     config = json.loads((model / "config.json").read_text())
@@ -138,3 +141,97 @@ def test_docs_page_loads_nothing_from_another_host(fuzz_server: ServerProcess) -
         assert document.status_code == 200
         assert document.json()["info"]["title"] == "miServer"
         assert http.get("/redoc").status_code == 404  # ReDoc loads from a CDN: turned off
+
+
+# -- issue 18, item 3, through a real server: one small fuzzed batch, and the synchronous route beside it -----------
+
+
+def _line_fields_fine(line: Line) -> bool:
+    obj = line.obj
+    return (
+        obj is not None
+        and set(obj) == {"custom_id", "method", "url", "body"}
+        and isinstance(obj["custom_id"], str)
+        and 0 < len(obj["custom_id"]) <= 64
+        and obj["method"] == "POST"
+        and obj["url"] == ENDPOINT
+        and isinstance(obj["body"], dict)
+        and obj["body"].get("stream") is not True
+    )
+
+
+@settings(
+    max_examples=2,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    phases=[Phase.generate],  # no shrinking: each step would be another batch; the failing file is printed whole
+    suppress_health_check=list(HealthCheck),
+)
+@given(lines=batch_file(min_lines=8, max_lines=14))
+def test_a_fuzzed_batch_file_runs_every_valid_line_and_names_every_bad_one(
+    fuzz_server: ServerProcess, lines: list[Line]
+) -> None:
+    """The batch completes (one bad line never fails it); every unmutated line has its output line (they fit the
+    128-token context); every refused
+    line is in the error file with its line number, a code and a param naming a field of the line; the same body
+    sent to the synchronous route (strict mode) gets the same status, code and param; the log has no unhandled
+    error."""
+    client = fuzz_server.client()
+    log_before = len(fuzz_server.log(10**8))
+    batch = wait_terminal(client, submit(client, b"\n".join(line.raw for line in lines) + b"\n").id, timeout=300)
+    assert batch.status == "completed", batch.errors
+    assert batch.request_counts is not None and batch.request_counts.total == len(lines)
+    outputs = {o["custom_id"]: o for o in read_lines(client, batch.output_file_id)}
+    errors = read_lines(client, batch.error_file_id)
+    assert len(outputs) + len(errors) == len(lines)
+    refused_at = {e["millm"]["line"] for e in errors if e.get("millm")}  # refused when validated: line numbers
+    for number, line in enumerate(lines, start=1):
+        if line.valid:
+            assert line.obj is not None
+            assert outputs[line.obj["custom_id"]]["response"]["status_code"] == 200, line.mutation
+        elif line.valid is False:
+            assert number in refused_at, f"line {number} ({line.mutation}) is not in the error file by number"
+    sync = fuzz_server.http()
+    for error_line in errors:
+        response = error_line["response"]
+        number = (error_line.get("millm") or {}).get("line")
+        line = (
+            lines[number - 1]
+            if number
+            else next(x for x in lines if x.obj and x.obj["custom_id"] == error_line["custom_id"])
+        )
+        where = f"line {number} ({line.mutation}): {line.raw[:200]!r}"
+        assert line.valid is not True, f"{where} did not run: {error_line}"
+        error = response["body"]["error"]
+        assert error_line["error"]["code"] == error["code"], where
+        assert param_problem(line, error["code"], error["param"]) is None, f"{where}: {error}"
+        if _line_fields_fine(line) and line.obj is not None:
+            answer = sync.post(ENDPOINT, json=line.obj["body"], headers={"X-miLLM-Strict": "true"})
+            got = (answer.status_code, answer.json()["error"]["code"], answer.json()["error"]["param"])
+            assert got == (response["status_code"], error["code"], error["param"]), where
+    log = fuzz_server.log(10**8)[log_before:]
+    assert "unhandled error" not in log and "Traceback" not in log, log[-5000:]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}),
+        ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 16}),
+        ("/anthropic/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    ],
+)
+def test_a_vanishing_temperature_is_greedy(fuzz_server: ServerProcess, path: str, body: dict[str, Any]) -> None:
+    """Found by the fuzzing (``tests/unit/test_fuzz_findings.py``): a temperature of 1e-300 was a 500. It answers
+    what temperature 0 answers."""
+    http = fuzz_server.http()
+    tiny = http.post(path, json={**body, "temperature": 1e-300})
+    greedy = http.post(path, json={**body, "temperature": 0})
+    assert tiny.status_code == greedy.status_code == 200, tiny.text
+    text = {"/v1/chat/completions": lambda r: r["choices"][0]["message"]["content"],
+            "/v1/completions": lambda r: r["choices"][0]["text"],
+            "/v1/responses": lambda r: r["output"][0]["content"][0]["text"],
+            "/anthropic/v1/messages": lambda r: r["content"][0]["text"]}[path]  # fmt: skip
+    assert text(tiny.json()) == text(greedy.json())

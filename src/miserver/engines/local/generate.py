@@ -64,13 +64,18 @@ def cache_kwarg(model_type: type) -> str:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Pick the next token from ``logits`` (``[vocab]``).
 
-    ``temperature`` 0 is argmax. Otherwise ``softmax(logits / temperature)`` restricted to the smallest set of most
-    likely tokens whose probability reaches ``top_p`` (at least one token), drawn with ``generator``, which must
-    live on the logits' device. A positive ``top_k`` first keeps the ``top_k`` most likely tokens (renormalised).
+    ``temperature`` 0 is argmax, and so is a positive temperature too small for ``logits / temperature`` to stay
+    finite (the limit of the softmax as the temperature goes to 0). Otherwise ``softmax(logits / temperature)``
+    restricted to the smallest set of most likely tokens whose probability reaches ``top_p`` (at least one token),
+    drawn with ``generator``, which must live on the logits' device. A positive ``top_k`` first keeps the ``top_k``
+    most likely tokens (renormalised).
     """
     if params.temperature <= 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / params.temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        # a temperature so small (1e-300) that logits / temperature overflow: softmax's limit, the most likely token
+        return int(torch.argmax(logits))
     if params.top_k is not None and 0 < params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k).values[-1]
         probs = probs.masked_fill(probs < kth, 0.0)
