@@ -135,8 +135,8 @@ class Settings(BaseSettings):
     upstreams: str = Field(
         "",
         validation_alias=_env("MISERVER_UPSTREAMS"),
-        description="upstream OpenAI-compatible servers, name=url[;max_in_flight=N][;api_key_env=VAR], separated "
-        "by commas (or repeated --upstream options)",
+        description="upstream OpenAI-compatible servers, name=url[;max_in_flight=N][;api_key_env=VAR]"
+        "[;total_timeout=S], separated by commas (or repeated --upstream options)",
     )
     no_model: bool = Field(
         False,
