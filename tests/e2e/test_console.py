@@ -19,28 +19,27 @@ from typing import Any
 
 import httpx
 import pytest
+from playwright import sync_api as playwright_api
 
 from tests.support.batches import chat_body, jsonl, line, submit, wait_terminal
 from tests.support.server import ServerProcess, tiny_server_process
-
-playwright_api = pytest.importorskip("playwright.sync_api")
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 PRICES = {"currency": "USD", "batch_discount": 0.5, "models": {"tiny": {"input": 2_000_000, "output": 4_000_000}}}
 ENV = {"BATCH_POLL_SECONDS": "0.2", "BATCH_CHUNK_ROWS": "2"}
 ARTIFACTS = Path(os.environ.get("MISERVER_ARTIFACTS_DIR", "test-artifacts")) / "console"
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (make test)")
 
 
 class Console:
     """The server, its keys, the SDK clients and the browser page of the module."""
 
-    def __init__(self, server: ServerProcess, admin: str, member: str, page: Any) -> None:
+    def __init__(self, server: ServerProcess, admin: str, member: dict[str, Any], page: Any) -> None:
         self.server = server
         self.admin = admin
-        self.member = member
-        self.client = server.client(api_key=member)
+        self.member: str = member["key"]
+        self.member_id: str = member["id"]
+        self.client = server.client(api_key=self.member)
         self.page = page
         self.requests: list[str] = []
         self.batches: dict[str, str] = {}
@@ -62,9 +61,8 @@ def console(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     with tiny_server_process(tiny_model_dir, root, env=env) as server:
         http = server.http()
         admin = http.post("/api/keys", json={"name": "root", "admin": True}).json()["key"]
-        member = http.post(
-            "/api/keys", json={"name": "analyst"}, headers={"Authorization": f"Bearer {admin}"}
-        ).json()["key"]
+        member = http.post("/api/keys", json={"name": "analyst"}, headers={"Authorization": f"Bearer {admin}"}).json()
+        assert Path(CHROMIUM).exists(), "Debian's chromium is missing: make test installs it (apt-get install chromium)"
         with playwright_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
             context = browser.new_context(accept_downloads=True, viewport={"width": 1280, "height": 800})
@@ -161,6 +159,8 @@ def test_cancel_a_second_job(console: Console) -> None:
     assert done.status == "cancelled"
     page.locator(f'tr[data-batch-id="{second.id}"] [data-field="status"]', has_text="cancelled").wait_for()
     assert done.request_counts is not None and done.request_counts.completed < 50
+    page.goto(console.url("/console/"))
+    console.shot("jobs-all")  # the README's picture of the job list
 
 
 def test_download_both_files_equal_the_api_bytes(console: Console) -> None:
@@ -207,6 +207,24 @@ def test_phone_width_and_no_request_leaves_the_server(console: Console) -> None:
     assert console.requests
     outside = [u for u in console.requests if not u.startswith((console.server.base_url, "ws://127.0.0.1", "data:"))]
     assert outside == []
+
+
+def test_an_admin_sees_every_key_with_a_key_filter(console: Console) -> None:
+    http = console.server.http()
+    form = http.get("/console/signin")
+    token = re.search(r'name="csrf" value="([^"]+)"', form.text)
+    assert token is not None
+    signed = http.post("/console/signin", data={"csrf": token.group(1), "api_key": console.admin, "next": "/console/"})
+    assert signed.status_code == 303
+    mine = console.client.batches.list(limit=100).data
+    every = http.get("/console/")
+    assert 'id="key"' in every.text and "analyst" in every.text  # the key filter lists the keys
+    assert all(b.id in every.text for b in mine)
+    filtered = http.get("/console/", params={"key": console.member_id})
+    assert f"{len(mine)} jobs" in filtered.text
+    assert http.get("/console/", params={"key": "key_nobody"}).text.count("data-batch-id=") == 0
+    out = http.post("/console/signout", data={"csrf": re.findall(r'name="csrf" value="([^"]+)"', every.text)[0]})
+    assert out.status_code == 303 and http.get("/console/").status_code == 303  # signed out: back to sign-in
 
 
 def test_served_pages_name_no_other_host_and_wrong_keys_are_limited(console: Console) -> None:

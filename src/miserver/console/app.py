@@ -89,8 +89,9 @@ def set_session_cookie(response: Response, session: Session, secure: bool) -> No
 
 class ConsoleAuth:
     """ASGI middleware of the console: finds the session of the cookie, checks that its key is still good, and runs
-    the page as that caller (``accounts.acting_as``); without a live session a page request is sent to sign-in
-    (a script request gets 401). Adds the security headers to every answer."""
+    the page as that caller (``accounts.acting_as``); without a live session a ``GET`` is sent to sign-in (303),
+    while a script request (``Accept: application/json``) or a form post gets 401. Adds the security headers to
+    every answer."""
 
     def __init__(self, app: ASGIApp, cs: ConsoleState) -> None:
         self.app = app
@@ -142,7 +143,7 @@ class ConsoleAuth:
                 new_cookie.append(session)
         if session is None or principal is None:
             answer: Response
-            if scope.get("method") == "GET" and "text/html" in request.headers.get("accept", "text/html"):
+            if scope.get("method") == "GET" and "application/json" not in request.headers.get("accept", ""):
                 target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
                 answer = RedirectResponse(f"/console/signin?next={_quote(target)}", status_code=303)
             else:
