@@ -12,7 +12,9 @@ side goes first; the ratio is total single time over total packed time. Agreemen
 
     python bench/generate_packed.py                            # CPU, the real SmolLM2, 64 rows, max_tokens 32, 128
     python bench/generate_packed.py --sweep --rows 32 --max-tokens 32 --slots-list 2,4,8,16
-    python bench/generate_packed.py --device cuda --rows 256   # GPU, bfloat16
+    python bench/generate_packed.py --device cuda --rows 256 --slots 128            # GPU, bfloat16
+    python bench/generate_packed.py --device cuda --rows 256 --slots 128 --random-shape qwen2.5-7b \
+        --bandwidth-gbs 4800      # a random-weight 7B shape; decode tokens/s against the card's memory bandwidth
 
 Results are printed and written to ``bench/results/generate_packed.json`` (``generate_packed_sweep.json``).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -51,12 +54,12 @@ RESULTS = ROOT / "bench" / "results"
 SYSTEM = "Summarize the news item in one sentence."
 
 
-def bodies(rows: int, max_tokens: int) -> list[dict[str, Any]]:
-    """``rows`` label-balanced AG News items as greedy chat summary requests."""
+def bodies(rows: int, max_tokens: int, model: str = EMBEDDED_MODEL_ID) -> list[dict[str, Any]]:
+    """``rows`` label-balanced AG News items as greedy chat summary requests to ``model``."""
     items = balanced_items(-(-rows // len(LABELS)))[:rows]
     return [
         {
-            "model": EMBEDDED_MODEL_ID,
+            "model": model,
             "messages": [
                 {"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"{it['title']}. {it['description']}"},
@@ -153,9 +156,20 @@ async def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sweep", action="store_true", help="packed at each of --slots-list against single")
     parser.add_argument("--slots-list", default="2,4,8,16")
+    parser.add_argument("--random-shape", help="a randomly initialised model of this shape (see bench/packing.py)")
+    parser.add_argument("--bandwidth-gbs", type=float, help="the device's memory bandwidth, GB/s: prints the bound")
     args = parser.parse_args()
     torch.manual_seed(0)
-    engine = await LocalEngine.start(EMBEDDED_MODEL_ID, cache_dir=Settings().cache_dir, device=args.device)
+    if args.random_shape:
+        spec = importlib.util.spec_from_file_location("packing_bench", ROOT / "bench" / "packing.py")
+        assert spec is not None and spec.loader is not None
+        packing_bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(packing_bench)
+        engine = packing_bench.random_engine(args.random_shape, args.device)
+    else:
+        engine = await LocalEngine.start(EMBEDDED_MODEL_ID, cache_dir=Settings().cache_dir, device=args.device)
+    model_id = engine.info.model_id
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
     ctx = ServiceContext(engine=engine, gate=AdmissionGate(1), rng=random.Random(0))
     info: dict[str, Any] = {
         "model": engine.info.model_id,
@@ -164,15 +178,19 @@ async def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "load_average_at_start": os.getloadavg(),
+        "weights_gb": round(weight_bytes / 1e9, 3),
     }
+    if args.bandwidth_gbs:
+        # one decode step reads every weight once: the most single-sequence decode steps per second
+        info["bandwidth_bound_steps_per_s"] = round(args.bandwidth_gbs * 1e9 / weight_bytes, 1)
     print(json.dumps(info), flush=True)
-    warm = bodies(2, 4)
+    warm = bodies(2, 4, model_id)
     await single(ctx, warm)
     await packed(ctx, warm, 2)
     runs = []
     if args.sweep:
         max_tokens = int(args.max_tokens.split(",")[0])
-        rows = bodies(args.rows, max_tokens)
+        rows = bodies(args.rows, max_tokens, model_id)
         t_single, res_single = await single(ctx, rows)
         print(f"single: {len(rows) / t_single:.3f} rows/s", flush=True)
         for slots in (int(s) for s in args.slots_list.split(",")):
@@ -188,7 +206,7 @@ async def main() -> None:
             print(f"max_tokens {max_tokens}:", flush=True)
             run = {
                 "max_tokens": max_tokens,
-                **await compare(ctx, bodies(args.rows, max_tokens), args.slots, args.groups),
+                **await compare(ctx, bodies(args.rows, max_tokens, model_id), args.slots, args.groups),
             }
             print(json.dumps(run), flush=True)
             runs.append(run)
