@@ -33,8 +33,8 @@
     inflight[id] = true;
     var next = node.getAttribute("data-next") || "/console/";
     fetch("/console/batches/" + encodeURIComponent(id) + "/row?next=" + encodeURIComponent(next),
-          {credentials: "same-origin", headers: {"Accept": "text/html"}})
-      .then(function (r) { return r.ok ? r.text() : null; })
+          {credentials: "same-origin", headers: {"Accept": "text/html"}, redirect: "manual"})
+      .then(function (r) { return r.ok ? r.text() : null; })  // signed out: a redirect, never a row
       .then(function (html) {
         var current = rowOf(id);
         if (html && current && current.parentNode) {
