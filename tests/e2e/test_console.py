@@ -26,7 +26,7 @@ from tests.support.server import ServerProcess, tiny_server_process
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 PRICES = {"currency": "USD", "batch_discount": 0.5, "models": {"tiny": {"input": 2_000_000, "output": 4_000_000}}}
-ENV = {"BATCH_POLL_SECONDS": "0.2", "BATCH_CHUNK_ROWS": "2"}
+ENV = {"BATCH_POLL_SECONDS": "0.2", "BATCH_CHUNK_ROWS": "2", "BATCH_MAX_ROWS": "100"}
 ARTIFACTS = Path(os.environ.get("MISERVER_ARTIFACTS_DIR", "test-artifacts")) / "console"
 
 
@@ -128,6 +128,19 @@ def test_upload_create_and_watch_progress_reach_completed(console: Console, tmp_
     assert bar.get_attribute("value") == bar.get_attribute("max") == "6"
     assert "6 / 6" in row.inner_text()
     console.shot("jobs")
+
+
+def test_a_refused_upload_shows_the_limit_and_the_measured_value(console: Console, tmp_path: Path) -> None:
+    page = console.page
+    page.goto(console.url("/console/batches/new"))
+    source = tmp_path / "big.jsonl"
+    source.write_bytes(_input_file(101, "b"))
+    page.set_input_files("#file", str(source))
+    error = page.locator("#upload-error")
+    error.wait_for()
+    text = error.inner_text()
+    assert text.startswith("Upload refused:") and "100" in text and "101" in text, text
+    assert page.locator("#create-button").is_disabled()
 
 
 def test_search_by_description(console: Console) -> None:
