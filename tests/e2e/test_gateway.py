@@ -137,18 +137,27 @@ def test_a_slow_upstream_ends_at_the_total_timeout(client: openai.OpenAI) -> Non
 
 def test_a_two_model_file_completes_in_input_order(client: openai.OpenAI) -> None:
     rows = [line(f"r{i}", chat_body(f"Row {i}", model=UP if i % 2 else "tiny", temperature=0)) for i in range(8)]
-    rows.insert(3, line("nobody", chat_body("hi", model="nobody")))
     done = wait_terminal(client, submit(client, jsonl(rows)).id)
     assert done.status == "completed", done.errors
-    assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (8, 1)
+    assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (8, 0)
     out = read_lines(client, done.output_file_id)
     assert [x["custom_id"] for x in out] == [f"r{i}" for i in range(8)]
     backends = [x["response"]["millm"]["headers"]["X-miLLM-Backend"] for x in out]
     assert backends[0::2] == ["serial"] * 4 and all(b.startswith("upstream:") for b in backends[1::2])
     assert {x["response"]["body"]["model"] for x in out} == {"tiny", UP}
-    (refused,) = read_lines(client, done.error_file_id)
-    assert refused["millm"]["line"] == 4 and refused["error"]["code"] == "model_not_found"
-    assert f"'{UP}'" in refused["error"]["message"]  # the models served, upstream ones included
+
+
+def test_a_line_naming_a_model_nobody_serves_fails_the_batch_at_validation(client: openai.OpenAI) -> None:
+    rows = [line(f"r{i}", chat_body(f"Row {i}", model=UP if i % 2 else "tiny")) for i in range(4)]
+    rows.insert(3, line("nobody", chat_body("hi", model="nobody")))
+    done = wait_terminal(client, submit(client, jsonl(rows)).id)
+    assert done.status == "failed" and done.in_progress_at is None and done.output_file_id is None
+    assert done.errors is not None and done.errors.data
+    (entry,) = done.errors.data  # one entry per invalid line, nothing else (OpenAI's shape)
+    assert (entry.line, entry.code, entry.param) == (4, "model_not_found", "model")
+    assert "'nobody'" in (entry.message or "") and f"'{UP}'" in (entry.message or "")  # upstream models listed
+    counts = done.request_counts
+    assert counts is not None and counts.completed == 0 and counts.total == 5
 
 
 def test_a_batch_that_expires_while_its_pool_is_down(fleet: dict[str, Any], client: openai.OpenAI) -> None:

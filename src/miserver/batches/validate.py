@@ -70,6 +70,8 @@ class ValidationSummary:
     errors: list[dict[str, Any]] = field(default_factory=list)
     #: input tokens of the valid lines, counted only when the owner key has an enqueued-token quota (issue 13)
     tokens: int = 0
+    #: numbers of the lines that name a model nobody serves (``model_not_found``); in gateway mode they fail the batch
+    unserved: list[int] = field(default_factory=list)
 
 
 async def physical_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, bytes]]:
@@ -270,6 +272,8 @@ class Validator:
             custom_id, body, model, error = check_line(self.ctx, batch.endpoint, raw, seen)
             if error is not None:
                 summary.invalid += 1
+                if error.code == "model_not_found":
+                    summary.unserved.append(number)
                 if len(summary.errors) < MAX_LISTED_ERRORS:
                     summary.errors.append(error.as_batch_error(number))
                 line = output.invalid_line(custom_id, number, error, batch.endpoint)
@@ -329,17 +333,19 @@ class Validator:
                 await store_batches.set_fields(conn, batch.id, (status,), errors=summary.errors or None)
                 return
             # Gateway mode: models served by an upstream pool may be several; the one-model, lease and residency
-            # rules are the resident model's (a model no one serves was refused on its own line).
+            # rules are the resident model's. A line naming a model nobody serves fails the whole batch there
+            # (issue 12), listed as its own line error; with no upstream it fails alone (DESIGN §4).
             resident = sorted(m for m in summary.models if self.ctx.upstream_pool(m) is None)
-            if summary.valid and len(resident) == 1 and foreign is not None:
+            unserved = self.ctx.gateway is not None and bool(summary.unserved)
+            if summary.valid and len(resident) == 1 and foreign is not None and not unserved:
                 raise BatchFailure(
                     "lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model"
                 )
-            if not summary.valid or len(resident) > 1:
+            if not summary.valid or len(resident) > 1 or unserved:
                 # One entry per invalid line (OpenAI's shape); a summary entry only where no line error explains
                 # the failure (several models).
                 listed = summary.errors
-                if summary.valid:
+                if summary.valid and len(resident) > 1:
                     models = ", ".join(sorted(summary.models))
                     failure = BatchFailure(
                         "multiple_models", f"The valid lines name more than one model: {models}.", "model"
