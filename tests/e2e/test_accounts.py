@@ -190,6 +190,20 @@ def test_prices_usage_records_and_batch_usage(accounts: Accounts) -> None:
     assert total(realtime, "requests") == 1
     assert total(realtime, "input_tokens") == chat.usage.prompt_tokens
     assert total(realtime, "cost") == 2 * chat.usage.prompt_tokens + 4 * chat.usage.completion_tokens
+    # a stream is billed whether or not the client asks to see its usage (stream_options.include_usage)
+    for include_usage in (False, True):
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": include_usage},
+        )
+        reported = [c.usage for c in stream if c.usage is not None]
+        assert len(reported) == (1 if include_usage else 0)
+    streamed = usage_of(http, key, kind="realtime")
+    assert total(streamed, "requests") == 3
+    assert total(streamed, "output_tokens") >= chat.usage.completion_tokens + 2  # each stream made >= 1 token
 
     batch = wait_terminal(client, submit(client, _rows(4, max_tokens=3)).id)
     assert batch.status == "completed" and batch.usage is not None

@@ -188,7 +188,8 @@ Create = Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamR
 
 def billed(endpoint: str, create: Create) -> Create:
     """``create`` of an endpoint service, recording the usage of each successful synchronous call of a key (a
-    stream: when it ends, from the usage it reports). Batch calls (priority batch) pass through: the runner records
+    stream: when it ends, from the producer's own count (:class:`StreamUsage`), else from the usage its events
+    report). Batch calls (priority batch) pass through: the runner records
     their usage with the row."""
 
     async def run(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
@@ -214,16 +215,25 @@ def billed(endpoint: str, create: Create) -> Create:
         model = str(result.headers.get("X-miLLM-Model", ""))
 
         async def events() -> AsyncIterator[str]:
+            # The last event is held back until the usage is recorded, so a client that has read the whole stream
+            # can already see its usage.
             seen: tuple[int, int] | None = None  # Anthropic's stream tells input and output in separate events
+            held: str | None = None
             async for payload in result.events:
                 found = _stream_usage(payload)
                 if found is not None:
                     seen = found if seen is None else (max(seen[0], found[0]), max(seen[1], found[1]))
-                yield payload
+                if held is not None:
+                    yield held
+                held = payload
+            if result.usage.known:  # the producer's own count, whether or not the client asked to see usage
+                seen = (result.usage.prompt_tokens, result.usage.completion_tokens)
             if seen is not None:
                 await record_realtime(store, prices, principal, endpoint, model, *seen, random_id("req_"))
+            if held is not None:
+                yield held
 
-        return StreamResult(events(), result.headers)
+        return StreamResult(events(), result.headers, result.usage)
 
     return run
 

@@ -33,7 +33,7 @@ from .common import (
     refuse_message_names,
     refuse_unsupported,
 )
-from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
+from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
 
 UNSUPPORTED_FIELDS = (
@@ -176,7 +176,9 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     p = _prepare(ctx, body, call)
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
-        return StreamResult(_stream(ctx, p.engine, p.gen, call, p.completion_id, include_usage), p.headers)
+        counted = StreamUsage()
+        events = _stream(ctx, p.engine, p.gen, call, p.completion_id, include_usage, counted)
+        return StreamResult(events, p.headers, counted)
     return await _execute(ctx, p, call)
 
 
@@ -224,7 +226,13 @@ def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan |
 
 
 async def _stream(
-    ctx: ServiceContext, engine: Engine, gen: GenerationRequest, call: Call, completion_id: str, include_usage: bool
+    ctx: ServiceContext,
+    engine: Engine,
+    gen: GenerationRequest,
+    call: Call,
+    completion_id: str,
+    include_usage: bool,
+    counted: StreamUsage,
 ) -> AsyncIterator[str]:
     created = now()
     model = engine.info.model_id
@@ -248,8 +256,9 @@ async def _stream(
                 yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(content=delta.text), logprobs=logprobs)])
             if delta.finish_reason is not None:
                 yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=delta.finish_reason)])
+    prompt_tokens = len(gen.prompt_ids)
+    counted.set(prompt_tokens, completion_tokens)
     if include_usage:
-        prompt_tokens = len(gen.prompt_ids)
         usage = Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,

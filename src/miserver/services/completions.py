@@ -22,7 +22,7 @@ from ..protocol.common import Usage, carried_fields, parse_request
 from ..protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from . import gateway
 from .common import check_context, check_stop, check_stream_options, refuse_unsupported
-from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
+from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
 
 UNSUPPORTED_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of")
@@ -219,7 +219,8 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     p = _prepare(ctx, body, call)
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
-        return StreamResult(_stream(ctx, p, call, include_usage), p.headers)
+        counted = StreamUsage()
+        return StreamResult(_stream(ctx, p, call, include_usage, counted), p.headers, counted)
     return await _execute(ctx, p, call)
 
 
@@ -249,7 +250,9 @@ def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan |
     return gateway.create_many(ctx, "/v1/completions", parse, partial(run_many, PACKING), bodies, call, plan)
 
 
-async def _stream(ctx: ServiceContext, p: _Prepared, call: Call, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServiceContext, p: _Prepared, call: Call, include_usage: bool, counted: StreamUsage
+) -> AsyncIterator[str]:
     created = now()
     req, engine = p.req, p.engine
     model = engine.info.model_id
@@ -298,6 +301,7 @@ async def _stream(ctx: ServiceContext, p: _Prepared, call: Call, include_usage: 
                     next_offset[index] = start + sum(len(x) for x in pieces)
                 finish = delta.finish_reason
                 yield event([CompletionChoice(index=index, text=delta.text, logprobs=logprobs, finish_reason=finish)])
+    counted.set(prompt_tokens, completion_tokens)
     if include_usage:
         usage = Usage(
             prompt_tokens=prompt_tokens,

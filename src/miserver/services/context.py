@@ -34,11 +34,34 @@ class ServiceResult:
 
 
 @dataclass
+class StreamUsage:
+    """Token counts of a stream, filled in by its producer when the stream has ended (``known`` then true).
+
+    A stream reports usage to the client only when asked (``stream_options.include_usage``); this holder is filled
+    either way, so that billing never depends on what the client asked to see.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    known: bool = False
+
+    def set(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Record the stream's final counts (tokens)."""
+        self.prompt_tokens, self.completion_tokens, self.known = prompt_tokens, completion_tokens, True
+
+
+@dataclass
 class StreamResult:
-    """A streamed response: SSE ``data:`` payloads (already JSON text, ending with ``[DONE]``) and headers."""
+    """A streamed response: SSE ``data:`` payloads (already JSON text, ending with ``[DONE]``) and headers.
+
+    ``usage`` is filled by producers that count their own tokens (the resident model's chat and completions streams)
+    once the last event has been produced; other producers leave it unknown and billing reads the usage the events
+    report.
+    """
 
     events: AsyncIterator[str]
     headers: dict[str, str]
+    usage: StreamUsage = field(default_factory=StreamUsage)
 
 
 @dataclass
