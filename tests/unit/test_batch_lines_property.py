@@ -59,7 +59,7 @@ SLOW_DATA = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCh
 
 
 @settings(
-    max_examples=150,
+    max_examples=100,
     deadline=None,
     database=None,
     derandomize=True,
