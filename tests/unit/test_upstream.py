@@ -3,7 +3,9 @@ routing. The behaviour against real upstream processes is in ``tests/e2e/test_ga
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
@@ -13,7 +15,8 @@ import pytest
 from miserver.engines.upstream.client import ServedModel, Upstream, read_models
 from miserver.engines.upstream.config import Timeouts, parse_entry, parse_upstreams
 from miserver.engines.upstream.errors import normalize_error, stream_error
-from miserver.engines.upstream.pool import RetryPolicy, UpstreamPool, retry_after
+from miserver.engines.upstream.pool import RetryPolicy, UpstreamPool, retry_after, send
+from miserver.errors import UpstreamUnavailableError
 
 
 def test_entries_with_options_and_the_problems_of_bad_ones() -> None:
@@ -98,3 +101,56 @@ def test_models_listing_and_the_pool_routing() -> None:
     assert pool.pick() is b and pool.pick(avoid=b) is a
     b.live = False
     assert pool.pick(avoid=a) is a  # the one that failed, when it is the only live member
+
+
+class _Member:
+    """An upstream whose HTTP answers come from an injected transport (``httpx.MockTransport``): ``state`` is
+    ``up`` (lists ``m``, answers 200), ``killed`` (every request cut: the connection dropped) or ``reused`` (its port
+    now hosts another server: lists only ``other`` and answers 404 to ``m``)."""
+
+    def __init__(self, name: str) -> None:
+        self.state = "up"
+        self.posts: list[str] = []
+        self.upstream = Upstream(parse_entry(f"{name}=http://{name}.test:1;max_in_flight=2"), Timeouts())
+        transport = httpx.MockTransport(self)
+        self.upstream.client = httpx.AsyncClient(base_url=f"http://{name}.test:1/v1", transport=transport)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.state == "killed":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        model = "m" if self.state == "up" else "other"
+        if request.method == "GET":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": model, "object": "model"}]})
+        self.posts.append(request.headers["x-request-id"])
+        if json.loads(request.content)["model"] != model:
+            error = {"message": "No model 'm'.", "type": "invalid_request_error", "code": "model_not_found"}
+            return httpx.Response(404, json={"error": error})
+        return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": model, "choices": []})
+
+
+async def test_rows_to_a_killed_member_go_to_the_live_one_and_never_to_a_server_on_its_old_port() -> None:
+    """A pool of two; ``a`` is SIGKILLed (its connections cut), then its port answers as another server. Every row
+    is answered by ``b`` with one X-Request-Id per row; none gets the stranger's 404 as its own error."""
+    a, b = _Member("a"), _Member("b")
+    pool = UpstreamPool("m")
+    for member in (a, b):
+        assert await member.upstream.probe()
+        pool.join(member.upstream)
+    policy, deadline = RetryPolicy(max_attempts=3, base=0.001), time.monotonic() + 60
+    a.state = "killed"
+    answer = await send(pool, "/chat/completions", {"model": "m"}, request_id="req_1", policy=policy,
+                        deadline=deadline, defer_at_deadline=False)  # fmt: skip
+    assert (answer.status, answer.upstream) == (200, b.upstream) and not a.upstream.live
+    assert a.posts == [] and b.posts == ["req_1"]
+    a.state = "reused"
+    assert await a.upstream.probe() and a.upstream.live and pool.live  # it answers, as another server
+    for i in range(4):
+        answer = await send(pool, "/chat/completions", {"model": "m"}, request_id=f"req_{i + 2}", policy=policy,
+                            deadline=deadline, defer_at_deadline=False)  # fmt: skip
+        assert (answer.status, answer.upstream) == (200, b.upstream)
+    assert a.posts == []
+    b.state = "killed"  # no member serves the model now: the row waits (503), it is not failed
+    with pytest.raises(UpstreamUnavailableError):
+        await send(pool, "/chat/completions", {"model": "m"}, request_id="req_9", policy=policy,
+                   deadline=deadline, defer_at_deadline=False)  # fmt: skip
+    await asyncio.gather(a.upstream.close(), b.upstream.close())

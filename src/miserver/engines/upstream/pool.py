@@ -69,10 +69,17 @@ class UpstreamPool:
             context_length=min(lengths) if lengths else 0,
         )
 
+    def serving(self, upstream: Upstream) -> bool:
+        """Whether ``upstream`` can take this pool's rows now: it answered its last probe (and no request to it
+        failed since) and its last listing still names the model. A member that answers again but no longer lists
+        the model (restarted with another model, or its port taken by another server) is left out: sent there, a
+        row would get that server's 404 as its own error."""
+        return upstream.live and any(m.id == self.model for m in upstream.models)
+
     @property
     def live(self) -> bool:
-        """Whether a member is live now."""
-        return any(u.live for u in self.members)
+        """Whether a member serves the model now (:meth:`serving`)."""
+        return any(self.serving(u) for u in self.members)
 
     def join(self, upstream: Upstream) -> None:
         """Add ``upstream`` (once) and its places to the gate."""
@@ -86,9 +93,9 @@ class UpstreamPool:
             self.gate.add_slots(upstream.config.max_in_flight)
 
     def pick(self, avoid: Upstream | None = None) -> Upstream | None:
-        """The live member with the most free places (not ``avoid``, the one that just failed, while another is
-        live); None when no member is live."""
-        live = [u for u in self.members if u.live]
+        """The serving member (:meth:`serving`) with the most free places (not ``avoid``, the one that just failed,
+        while another serves); None when no member serves the model now."""
+        live = [u for u in self.members if self.serving(u)]
         others = [u for u in live if u is not avoid] or live
         if not others:
             return None
