@@ -45,7 +45,8 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             started += list(pool.map(lambda s: s.start(timeout=START_TIMEOUT), ups.values()))
         started += [f.start() for f in fakes.values()]
         entries = [f"{n}={s.base_url};max_in_flight=2" for n, s in ups.items()]
-        entries += [f"{n}={f.base_url}" + (";total_timeout=1" if n == "slow" else "") for n, f in fakes.items()]
+        options = {"slow": ";total_timeout=1", "gone": ";max_in_flight=1"}  # gone: one row at a time, 0.3 s each
+        entries += [f"{n}={f.base_url}" + options.get(n, "") for n, f in fakes.items()]
         gateway = tiny_server_process(
             tiny_model_dir,
             root / "gateway",
