@@ -42,7 +42,7 @@ def readiness(
     engine = ctx.engine
     if engine is None or engine.info.model_id != batch.model:
         return Readiness("model_not_resident")
-    if weights_torn or ctx.weights_torn:
+    if weights_torn:  # the persisted flag (a write open here, or left open by a crash; shared by workers)
         return Readiness("weights_torn")
     if batch.weights_revision is not None and engine.info.weights_revision != batch.weights_revision:
         return Readiness("weights_changed")
@@ -65,11 +65,10 @@ def readiness(
 
 
 def weights_block(ctx: ServiceContext, batch: BatchRecord) -> str | None:
-    """``weights_torn`` or ``weights_changed`` when the resident weights may not run the batch's rows now (checked
-    again once a chunk holds the admission slot: a weight commit may have happened while it waited), else None."""
+    """``weights_changed`` when the batch is pinned to a weights revision that is no longer resident, checked again
+    once a chunk holds the admission slot (a weight commit may have happened while it waited; a write is never open
+    then, since ``begin`` holds the slot until its commit or abort), else None."""
     engine = ctx.engine
-    if ctx.weights_torn:
-        return "weights_torn"
     if engine is not None and batch.weights_revision not in (None, engine.info.weights_revision):
         return "weights_changed"
     return None
