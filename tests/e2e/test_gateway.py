@@ -186,6 +186,31 @@ def test_a_batch_that_expires_while_its_pool_is_down(fleet: dict[str, Any], clie
     assert sorted(x["custom_id"] for x in out + errors) == sorted(f"g{i}" for i in range(12))
 
 
+def test_rows_of_a_live_pool_run_while_those_of_a_down_pool_wait(client: openai.OpenAI) -> None:
+    """The pool of the file's first rows (and of the batch's model, ``gone``: killed by the test above) is down: the
+    rows of the live pool behind them run; the batch waits ``upstream_unavailable`` once only the down pool's rows
+    are left, and its output keeps the input order."""
+    rows = [line(f"d{i}", chat_body(f"d{i}", model="gone")) for i in range(3)]
+    rows += [line(f"u{i}", chat_body(f"Row {i}", model=UP, max_tokens=4, temperature=0)) for i in range(4)]
+    batch = submit(client, jsonl(rows))
+
+    def unavailable() -> Any:
+        b = client.batches.retrieve(batch.id)
+        return b.model_extra is not None and b.model_extra["millm"]["waiting_reason"] == "upstream_unavailable" and b
+
+    waiting = wait_for(unavailable, timeout=180)
+    assert waiting.status == "in_progress" and waiting.model == "gone"
+    counts = waiting.request_counts
+    assert counts is not None and (counts.completed, counts.failed) == (4, 0)
+    client.batches.cancel(batch.id)
+    done = wait_terminal(client, batch.id)
+    assert done.status == "cancelled"
+    out, errors = read_lines(client, done.output_file_id), read_lines(client, done.error_file_id)
+    assert [x["custom_id"] for x in out] == [f"u{i}" for i in range(4)]
+    assert [e["custom_id"] for e in errors] == [f"d{i}" for i in range(3)]
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
 def test_an_upstream_killed_mid_batch_loses_nothing(fleet: dict[str, Any], client: openai.OpenAI) -> None:
     rows = [line(f"k{i:02d}", chat_body(f"Row {i}", model=UP, max_tokens=4, temperature=0)) for i in range(16)]
     batch = submit(client, jsonl(rows))

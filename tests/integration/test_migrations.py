@@ -7,7 +7,7 @@ from typing import Any
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import CheckConstraint, Connection, create_engine, inspect
+from sqlalchemy import CheckConstraint, Connection, create_engine, inspect, text
 
 from miserver.store.db import sync_url, upgrade
 from miserver.store.schema import metadata
@@ -67,5 +67,41 @@ def test_migrations_at_head_build_the_declared_schema(database_url: str) -> None
             assert diffs == [], f"the migrations and store/schema.py differ: {diffs}"
             _check_constraints(conn)
             _partial_indexes(conn)
+    finally:
+        engine.dispose()
+
+
+def test_0008_gives_rows_still_to_run_their_batchs_model(database_url: str) -> None:
+    """Rows validated before rows named their model: the pending ones take their batch's (so a claim by model still
+    finds them); recorded and invalid rows keep none."""
+    upgrade(database_url, "0007")
+    engine = create_engine(sync_url(database_url))
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO files (id, purpose, filename, bytes, created_at) VALUES ('file-1', 'batch', 'a', 1, 1)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, "
+                    "expires_at, model) VALUES ('batch_1', '/v1/chat/completions', 'file-1', '24h', 'in_progress', 1, "
+                    "86401, 'm')"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO batch_rows (batch_id, line, custom_id, valid, body, state, outcome, result) VALUES "
+                    "('batch_1', 1, 'a', :yes, '{}', 'done', 'ok', '{}'), "
+                    "('batch_1', 2, 'b', :yes, '{}', 'pending', NULL, NULL), "
+                    "('batch_1', 3, NULL, :no, NULL, 'done', 'error', '{}')"
+                ),
+                {"yes": True, "no": False},
+            )
+        upgrade(database_url)
+        with engine.connect() as conn:
+            models = conn.execute(text("SELECT line, model FROM batch_rows ORDER BY line")).all()
+        assert [tuple(r) for r in models] == [(1, None), (2, "m"), (3, None)]
     finally:
         engine.dispose()

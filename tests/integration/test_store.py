@@ -14,7 +14,8 @@ from miserver.store import rows as sr
 from miserver.store.batches import StaleStatus
 
 
-async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1") -> None:
+async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1", models: list[str] | None = None) -> None:
+    """An ``in_progress`` batch of ``n_rows`` valid rows (line ``i + 1`` naming ``models[i]`` when given)."""
     async with store.tx() as conn:
         await sf.insert_file(
             conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1, expires_at=None, chunks=[b"x"]
@@ -23,9 +24,11 @@ async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1") -> No
             conn, batch_id=batch_id, endpoint="/v1/completions", input_file_id="file-1", completion_window="24h",
             created_at=1, expires_at=86401, metadata={"k": "v"}, pack=False, output_expires_seconds=None,
         )  # fmt: skip
-        await sr.insert_rows(
-            conn, batch_id, [{"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": "{}"} for i in range(n_rows)]
-        )
+        named = models or [None] * n_rows
+        rows = [
+            {"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": "{}", "model": m} for i, m in enumerate(named)
+        ]
+        await sr.insert_rows(conn, batch_id, rows)
         await sb.set_fields(conn, batch_id, ("validating",), total=n_rows)
         await sb.transition(conn, batch_id, ("validating",), "in_progress", 2)
 
@@ -92,6 +95,51 @@ async def test_claims_only_from_in_progress_batches(store: Store) -> None:
 async def test_concurrent_claims_never_overlap(store: Store) -> None:
     await make_batch(store, 40)
     results = await asyncio.gather(*(claim(store, f"t{i}", limit=4) for i in range(10)))
+    lines = [line for r in results for line in r]
+    assert sorted(lines) == list(range(1, 41))
+
+
+async def test_a_claim_by_model_takes_the_rows_of_those_models_only(store: Store) -> None:
+    """Gateway mode: the rows of a pool that is down wait while rows of live pools behind them are claimed (the
+    filter is in the claim statement itself, with its lock clause on PostgreSQL); counts follow the same filter."""
+    models = ["down", "down", "live", "down", "live", "other", "live"]
+    await make_batch(store, len(models), models=models)
+    async with store.tx() as conn:
+        assert await sr.row_models(conn, "batch_1") == ["down", "live", "other"]
+        assert await sr.count_pending(conn, "batch_1", models=["live"]) == 3
+        assert await sr.count_pending(conn, "batch_1") == 7
+
+    async def by_model(token: str, wanted: list[str], limit: int = 2) -> list[int]:
+        async with store.tx() as conn:
+            rows = await sr.claim(
+                conn, batch_id="batch_1", limit=limit, worker="w", token=token, now_ms=1000, ttl_ms=500,
+                skip_locked=store.skip_locked, models=wanted,
+            )  # fmt: skip
+        return [r.line for r in rows]
+
+    assert await by_model("t1", ["live"]) == [3, 5]  # lowest lines of that model first, lines 1-2 left alone
+    assert await by_model("t2", ["live", "other"]) == [6, 7]
+    assert await by_model("t3", ["live"]) == []  # claimed already
+    assert await by_model("t4", ["nobody"]) == []
+    assert await claim(store, "t5", limit=10) == [1, 2, 4]  # unfiltered: what is left, of any model
+    assert await record(store, 3, "t1")
+    async with store.tx() as conn:
+        assert await sr.count_pending(conn, "batch_1", models=["live"]) == 2
+
+
+async def test_concurrent_claims_by_model_never_overlap(store: Store) -> None:
+    await make_batch(store, 40, models=[f"m{i % 2}" for i in range(40)])
+
+    async def by_model(token: str, model: str) -> list[int]:
+        async with store.tx() as conn:
+            rows = await sr.claim(
+                conn, batch_id="batch_1", limit=3, worker="w", token=token, now_ms=1000, ttl_ms=500,
+                skip_locked=store.skip_locked, models=[model],
+            )  # fmt: skip
+        assert all(r.line % 2 == (1 if model == "m0" else 0) for r in rows)
+        return [r.line for r in rows]
+
+    results = await asyncio.gather(*(by_model(f"t{i}", f"m{i % 2}") for i in range(16)))
     lines = [line for r in results for line in r]
     assert sorted(lines) == list(range(1, 41))
 

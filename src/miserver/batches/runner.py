@@ -561,5 +561,6 @@ class BatchRunner:
         except output.StatusMoved:
             return True  # e.g. cancelled while finalizing: the next pass finishes it as cancelled
         release_own_lease(self.ctx, batch.id)
+        self.upstream.forget(batch.id)
         self.on_change(batch.id)
         return True

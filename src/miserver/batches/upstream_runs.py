@@ -2,13 +2,15 @@
 
 A batch whose model is served by an upstream pool (a multi-model file whose models are all upstream ones, too) takes
 no resident slot, no lease and no residency: its rows pass the pool gates one by one (interactive first there).
-To keep a pool's ``max_in_flight`` requests really in flight, the runner keeps several chunks of such a batch
-running as tasks (:func:`chunks_for`): while one chunk's last rows are in flight, the next chunk's rows already
-take the freed places (continuous feeding; the engine never idles while a chunk drains). Each chunk is the one row
-loop (:func:`~miserver.batches.chunks.run_chunk`) under its own claim, heartbeat and fencing token, so every row is
-recorded once. A pool with no live upstream leaves its rows pending and the batch waits with ``waiting_reason:
-upstream_unavailable``; at ``expires_at`` no further attempt starts and the runner expires the batch once its chunks
-have ended (recorded rows stay, the rest become ``batch_expired``).
+Each chunk holds the rows of one pool (claimed by the model the rows name, ``batch_rows.model``), so the pools of a
+batch run side by side, each at its own ``max_in_flight``. To keep a pool's ``max_in_flight`` requests really in
+flight, the runner keeps several chunks per pool of such a batch running as tasks (:func:`chunks_for`): while one
+chunk's last rows are in flight, the next chunk's rows already take the freed places (continuous feeding; the engine
+never idles while a chunk drains). Each chunk is the one row loop (:func:`~miserver.batches.chunks.run_chunk`) under
+its own claim, heartbeat and fencing token, so every row is recorded once. A pool with no live upstream leaves its
+rows pending (unclaimed) while the rows of live pools behind them run; the batch waits with ``waiting_reason:
+upstream_unavailable`` once no row of it can run; at ``expires_at`` no further attempt starts and the runner expires
+the batch once its chunks have ended (recorded rows stay, the rest become ``batch_expired``).
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ def chunks_for(slots: int) -> int:
 
 
 class UpstreamRuns:
-    """The upstream chunks of one runner: which batches they serve, and their tasks."""
+    """The upstream chunks of one runner: which batches they serve, and their tasks (each chunk serves one pool)."""
 
     def __init__(self, runner: BatchRunner) -> None:
         self.runner = runner
-        self._tasks: dict[str, set[asyncio.Task[None]]] = {}
-        self._not_before: dict[str, float] = {}
+        #: the running chunks of each batch, each with the model (pool) whose rows it runs
+        self._tasks: dict[str, dict[asyncio.Task[None], str]] = {}
+        #: (batch, model): no claim before this monotonic time (a chunk found the pool down)
+        self._not_before: dict[tuple[str, str], float] = {}
+        #: the models each batch's rows name (fixed once it is validated)
+        self._models: dict[str, list[str]] = {}
 
     def serves(self, batch: BatchRecord) -> bool:
         """Whether ``batch`` runs on upstream pools: its model is an upstream pool's (not the resident one), or
@@ -70,27 +76,69 @@ class UpstreamRuns:
         tasks = self._tasks.get(batch_id)
         if tasks is None:
             return False
-        tasks -= {t for t in tasks if t.done()}
+        for task in [t for t in tasks if t.done()]:
+            del tasks[task]
         if not tasks:
             del self._tasks[batch_id]
         return bool(tasks)
 
+    def forget(self, batch_id: str) -> None:
+        """Drop what is kept about a finished batch."""
+        self._models.pop(batch_id, None)
+        for key in [k for k in self._not_before if k[0] == batch_id]:
+            del self._not_before[key]
+
+    async def _models_of(self, batch: BatchRecord) -> list[str]:
+        models = self._models.get(batch.id)
+        if models is None:
+            async with self.runner.store.read() as conn:
+                models = await store_rows.row_models(conn, batch.id)
+            self._models[batch.id] = models = models or ([batch.model] if batch.model else [])
+        return models
+
     async def advance(self, batch: BatchRecord) -> bool:
-        """Start one more chunk of ``batch`` when its pool is live and fewer than :func:`chunks_for` run;
-        move it to ``finalizing`` when every row is recorded. True when it started or finished something."""
+        """Start more chunks of ``batch``: for each model its rows name whose pool is live, one more chunk of that
+        pool's rows (claimed by model, lowest line first) while fewer than :func:`chunks_for` of that pool run, so
+        the rows of a pool that is down wait without holding back those of live pools behind them. Move the batch
+        to ``finalizing`` when every row is recorded; mark it ``upstream_unavailable`` only when no row of it runs
+        here and none can be claimed (every pending row is of a pool that is down). True when it started or
+        finished something."""
         runner = self.runner
-        pool = runner.ctx.upstream_pool(batch.model)
-        live = self.running(batch.id)
-        if pool is None or not pool.live:
-            if not live:
-                await runner._set_waiting(batch, UNAVAILABLE, None)
-            return False
-        if time.monotonic() < self._not_before.get(batch.id, 0.0):
-            return False  # its last chunk found a pool of the file down: wait a poll before claiming again
-        if live and len(self._tasks[batch.id]) >= chunks_for(pool.gate.slots):
-            return False
+        clock = time.monotonic()
+        ready: list[str] = []  # models whose pool is live and was not just found down by a chunk
+        started = False
+        for model in await self._models_of(batch):
+            pool = runner.ctx.upstream_pool(model)
+            if pool is None or not pool.live or clock < self._not_before.get((batch.id, model), 0.0):
+                continue
+            ready.append(model)
+            if sum(1 for m in self._tasks.get(batch.id, {}).values() if m == model) >= chunks_for(pool.gate.slots):
+                continue
+            limit = max(runner.settings.batch_chunk_rows, ROWS_PER_SLOT * pool.gate.slots)
+            started |= await self._start(batch, model, limit)
+        if self.running(batch.id):
+            await runner._set_waiting(batch, None, None)
+            return started
+        async with runner.store.tx() as conn:
+            if await store_rows.count_pending(conn, batch.id) == 0:
+                # every row is recorded: the guard re-checks that in the statement itself
+                await store_batches.transition(conn, batch.id, ("in_progress",), "finalizing", now())
+                finished = True
+            else:
+                finished = False
+                runnable = bool(ready) and await store_rows.count_pending(conn, batch.id, models=ready) > 0
+        if finished:
+            runner.on_change(batch.id)
+            return True
+        if not runnable:
+            await runner._set_waiting(batch, UNAVAILABLE, None)
+        return False  # else its runnable rows are claimed by another worker
+
+    async def _start(self, batch: BatchRecord, model: str, limit: int) -> bool:
+        """Claim up to ``limit`` rows of ``batch`` naming ``model`` and run them as a chunk task; False when none
+        was claimable."""
+        runner = self.runner
         token = secrets.token_hex(16)
-        limit = max(runner.settings.batch_chunk_rows, ROWS_PER_SLOT * pool.gate.slots)
         async with runner.store.tx() as conn:
             claimed = await store_rows.claim(
                 conn,
@@ -101,20 +149,15 @@ class UpstreamRuns:
                 now_ms=now_ms(),
                 ttl_ms=runner.claim_ttl_ms,
                 skip_locked=runner.store.skip_locked,
+                models=[model],
             )
-            if not claimed:
-                if live or await store_rows.count_pending(conn, batch.id) > 0:
-                    return False  # rows are claimed here or by another worker
-                await store_batches.transition(conn, batch.id, ("in_progress",), "finalizing", now())
         if not claimed:
-            runner.on_change(batch.id)
-            return True
-        await runner._set_waiting(batch, None, None)
-        task = asyncio.create_task(self._run(batch, token, claimed), name=f"miserver-upstream-{batch.id}")
-        self._tasks.setdefault(batch.id, set()).add(task)
+            return False
+        task = asyncio.create_task(self._run(batch, model, token, claimed), name=f"miserver-upstream-{batch.id}")
+        self._tasks.setdefault(batch.id, {})[task] = model
         return True
 
-    async def _run(self, batch: BatchRecord, token: str, claimed: list[store_rows.ClaimedRow]) -> None:
+    async def _run(self, batch: BatchRecord, model: str, token: str, claimed: list[store_rows.ClaimedRow]) -> None:
         runner = self.runner
         try:
             async with runner._heartbeat(batch.id, token, None):
@@ -138,10 +181,9 @@ class UpstreamRuns:
                     prices=batch.prices,
                 )
             if report.engine_unavailable:
-                self._not_before[batch.id] = time.monotonic() + runner.settings.batch_poll_seconds
-                async with runner.store.tx() as conn:
-                    await store_batches.set_fields(conn, batch.id, ("in_progress",), waiting_reason=UNAVAILABLE)
-                runner.on_change(batch.id)
+                # the pool went down under the chunk: its rows wait a poll before they are claimed again (the next
+                # step marks the batch upstream_unavailable when no other pool's rows can run)
+                self._not_before[(batch.id, model)] = time.monotonic() + runner.settings.batch_poll_seconds
         except store_batches.StaleStatus as exc:
             log.info("%s", exc)
         except Exception:

@@ -285,7 +285,7 @@ class Validator:
                 if quota is not None and self.ctx.engine is not None and body is not None:
                     summary.tokens += billing.estimate_input_tokens(self.ctx.engine.tokenize, body)
                 text = json.dumps(body, ensure_ascii=False)
-                page.append({"line": number, "custom_id": custom_id, "valid": True, "body": text})
+                page.append({"line": number, "custom_id": custom_id, "valid": True, "body": text, "model": model})
             if len(page) >= INSERT_PAGE:
                 await self._insert(batch.id, page)
                 page = []

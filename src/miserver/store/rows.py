@@ -9,7 +9,7 @@ worker whose claim was taken over cannot record. On PostgreSQL the claim is one 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +41,9 @@ class StoredRow:
 
 
 async def insert_rows(conn: AsyncConnection, batch_id: str, rows: list[dict[str, Any]]) -> None:
-    """Insert validated rows: each dict has ``line``, ``custom_id``, ``valid``, and ``body`` (valid) or
-    ``result`` (invalid: the error line, recorded at once)."""
+    """Insert validated rows: each dict has ``line``, ``custom_id``, ``valid``, and ``body`` and ``model`` (valid:
+    the model the line names, as validation resolved it) or ``result`` (invalid: the error line, recorded at
+    once)."""
     if not rows:
         return
     values = []
@@ -55,6 +56,7 @@ async def insert_rows(conn: AsyncConnection, batch_id: str, rows: list[dict[str,
                 "custom_id": r.get("custom_id"),
                 "valid": valid,
                 "body": r.get("body") if valid else None,
+                "model": r.get("model") if valid else None,
                 "state": "pending" if valid else "done",
                 "outcome": None if valid else "error",
                 "result": None if valid else r["result"],
@@ -92,11 +94,14 @@ async def claim(
     now_ms: int,
     ttl_ms: int,
     skip_locked: bool,
+    models: Sequence[str] | None = None,
 ) -> list[ClaimedRow]:
     """Claim up to ``limit`` pending rows of an ``in_progress`` batch, lowest line first, in one statement.
 
-    A row is claimable when it is pending and unclaimed or its claim's deadline passed. Returns the rows claimed
-    (ordered by line) with the token now on them.
+    A row is claimable when it is pending and unclaimed or its claim's deadline passed. ``models`` (gateway mode:
+    the models whose upstream pools are live) limits the claim to rows naming one of them, so the rows of a pool that
+    is down wait without holding back the rows of live pools behind them; None claims rows of any model. Returns the
+    rows claimed (ordered by line) with the token now on them.
     """
     inner = (
         select(batch_rows.c.line)
@@ -108,6 +113,8 @@ async def claim(
         .order_by(batch_rows.c.line)
         .limit(limit)
     )
+    if models is not None:
+        inner = inner.where(batch_rows.c.model.in_(list(models)))
     if skip_locked:
         inner = inner.with_for_update(skip_locked=True)
     # A CTE is evaluated once (PostgreSQL materialises a locking CTE); an ``IN (subquery)`` may be re-run per row,
@@ -221,13 +228,26 @@ async def fence_unrun(conn: AsyncConnection, batch_id: str) -> int:
     return int(result.rowcount or 0)
 
 
-async def count_pending(conn: AsyncConnection, batch_id: str) -> int:
+async def count_pending(conn: AsyncConnection, batch_id: str, *, models: Sequence[str] | None = None) -> int:
+    """Rows of the batch not yet recorded (claimed or not); with ``models``, only those naming one of them."""
     q = (
         select(func.count())
         .select_from(batch_rows)
         .where(batch_rows.c.batch_id == batch_id, batch_rows.c.state == "pending")
     )
+    if models is not None:
+        q = q.where(batch_rows.c.model.in_(list(models)))
     return int((await conn.execute(q)).scalar() or 0)
+
+
+async def row_models(conn: AsyncConnection, batch_id: str) -> list[str]:
+    """The distinct models that the batch's valid rows name (sorted)."""
+    q = (
+        select(batch_rows.c.model)
+        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.valid, batch_rows.c.model.is_not(None))
+        .distinct()
+    )
+    return sorted(str(m) for m in (await conn.execute(q)).scalars())
 
 
 async def iter_rows(conn: AsyncConnection, batch_id: str) -> AsyncIterator[StoredRow]:

@@ -142,6 +142,9 @@ batch_rows = Table(
     Column("claimed_until", BigInteger, nullable=True),
     Column("input_tokens", Integer, nullable=False, server_default="0"),
     Column("output_tokens", Integer, nullable=False, server_default="0"),
+    # The model a valid row names, as validation resolved it (gateway mode: the upstream pool that runs it); NULL for
+    # an invalid row. A multi-pool batch claims the rows of its live pools only (``store.rows.claim``).
+    Column("model", String(512), nullable=True),
     PrimaryKeyConstraint("batch_id", "line"),
     CheckConstraint("state IN ('pending', 'done')", name="state"),
     CheckConstraint("outcome IS NULL OR outcome IN ('ok', 'error')", name="outcome"),
@@ -166,6 +169,14 @@ Index(
 Index(
     "ix_batch_rows_pending",
     batch_rows.c.batch_id,
+    batch_rows.c.line,
+    sqlite_where=batch_rows.c.state == "pending",
+    postgresql_where=batch_rows.c.state == "pending",
+)
+Index(
+    "ix_batch_rows_pending_model",
+    batch_rows.c.batch_id,
+    batch_rows.c.model,
     batch_rows.c.line,
     sqlite_where=batch_rows.c.state == "pending",
     postgresql_where=batch_rows.c.state == "pending",
