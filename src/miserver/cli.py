@@ -714,7 +714,7 @@ def keys_top_up(key_id: str, amount: int, database_url: str | None, data_dir: st
     """
     from .services import accounts
 
-    record = _on_store(database_url, data_dir, lambda store: accounts.top_up(store, key_id, amount))
+    record = _on_store(database_url, data_dir, lambda store: accounts.top_up(store, key_id, {"amount": amount}))
     click.echo(f"{record.id} balance {_money(record.balance)}")
 
 

@@ -14,6 +14,8 @@ from click.testing import CliRunner
 
 from miserver.cli import main
 from miserver.errors import InvalidRequestError
+from miserver.protocol.accounts import TopUpRequest
+from miserver.protocol.common import parse_request
 from miserver.services import accounts, billing
 from miserver.services.billing import PriceFileError, PriceTable
 from miserver.store.keys import KeyRecord
@@ -45,6 +47,31 @@ def test_key_spec_names_the_bad_field() -> None:
         with pytest.raises(InvalidRequestError) as caught:
             accounts.KeySpec.parse(body)
         assert caught.value.param == param
+
+
+def test_key_and_top_up_bodies_parse_with_their_documented_models() -> None:
+    """The bodies are parsed with ``protocol/accounts.py``'s models (the ones ``/openapi.json`` shows): an unknown
+    field is ``unknown_parameter``, and an amount past 2**53 - 1 is refused with 400 naming it (such a number used to
+    reach the database's 64-bit column and fail there)."""
+    with pytest.raises(InvalidRequestError) as caught:
+        accounts.KeySpec.parse({"name": "a", "colour": "red"})
+    assert (caught.value.param, caught.value.code) == ("colour", "unknown_parameter")
+    for field in ("balance", "max_pending_batches", "max_enqueued_tokens"):
+        assert getattr(accounts.KeySpec.parse({"name": "a", field: 2**53 - 1}), field) == 2**53 - 1
+        with pytest.raises(InvalidRequestError) as caught:
+            accounts.KeySpec.parse({"name": "a", field: 2**63})
+        assert caught.value.param == field
+    for body, param, code in (
+        ({}, "amount", "missing_required_parameter"),
+        ({"amount": 0}, "amount", "invalid_value"),
+        ({"amount": "5"}, "amount", "invalid_type"),
+        ({"amount": 2**63}, "amount", "invalid_value"),
+        ({"amount": 5, "note": "x"}, "note", "unknown_parameter"),
+        ([5], None, "invalid_type"),
+    ):
+        with pytest.raises(InvalidRequestError) as caught:
+            parse_request(TopUpRequest, body, strict=True)
+        assert (caught.value.param, caught.value.code) == (param, code), body
 
 
 def test_prices_batch_discount_and_costs() -> None:

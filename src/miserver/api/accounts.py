@@ -7,15 +7,27 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from ..protocol.accounts import (
+    Account,
+    AnonymousAccount,
+    CostEstimate,
+    KeyCreateRequest,
+    KeyList,
+    KeyObject,
+    TopUpRequest,
+    UsageRollup,
+)
 from ..services import accounts, billing
 from ..services.accounts import KeySpec, key_object, require_admin
 from .common import json_body, state
+from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
 admin = APIRouter(dependencies=[Depends(require_admin)])
 
 
 @admin.post("/api/keys")
+@documented(body=KeyCreateRequest, ok=KeyObject)
 async def create_key(request: Request) -> dict[str, Any]:
     """``{name, admin, balance, max_pending_batches, max_enqueued_tokens}`` -> the key object with ``key`` (shown
     this once)."""
@@ -24,6 +36,7 @@ async def create_key(request: Request) -> dict[str, Any]:
 
 
 @admin.get("/api/keys")
+@documented(ok=KeyList)
 async def list_keys(request: Request) -> dict[str, Any]:
     """Every key (never the key itself), oldest first."""
     records = await accounts.list_keys(state(request).store)
@@ -31,12 +44,14 @@ async def list_keys(request: Request) -> dict[str, Any]:
 
 
 @admin.get("/api/keys/{key_id}")
+@documented(ok=KeyObject, errors=LOOKUP_ERRORS)
 async def get_key(key_id: str, request: Request) -> dict[str, Any]:
     """One key's object."""
     return key_object(await accounts.get_key(state(request).store, key_id))
 
 
 @admin.post("/api/keys/{key_id}/revoke")
+@documented(ok=KeyObject, errors=CHANGE_ERRORS)
 async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
     """Revoke a key: 401 for it from now on; its running batches end ``failed`` (``key_revoked``)."""
     record = await accounts.revoke_key(state(request).store, key_id)
@@ -45,11 +60,10 @@ async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
 
 
 @admin.post("/api/keys/{key_id}/top_up")
+@documented(body=TopUpRequest, ok=KeyObject, errors=LOOKUP_ERRORS)
 async def top_up(key_id: str, request: Request) -> dict[str, Any]:
     """``{amount}`` micro-units onto the key's balance; a batch waiting for a top-up goes on."""
-    body = await json_body(request)
-    amount = body.get("amount") if isinstance(body, dict) else None
-    record = await accounts.top_up(state(request).store, key_id, amount)
+    record = await accounts.top_up(state(request).store, key_id, await json_body(request))
     state(request).runner.wake()
     return key_object(record)
 
@@ -58,15 +72,17 @@ router.include_router(admin)
 
 
 @router.get("/api/account")
+@documented(ok=Account)
 async def account(request: Request) -> dict[str, Any]:
     """The calling key's object (its balance and quotas); ``{"id": null, ...}`` on a server without keys."""
     principal = accounts.current()
     if principal.key_id is None:
-        return {"id": None, "object": "api_key", "name": principal.name, "admin": True, "balance": None}
+        return AnonymousAccount(name=principal.name).model_dump()
     return key_object(await accounts.get_key(state(request).store, principal.key_id))
 
 
 @router.get("/api/usage")
+@documented(ok=UsageRollup, errors=LOOKUP_ERRORS)
 async def usage(
     request: Request,
     start: str | None = None,
@@ -93,6 +109,7 @@ async def usage(
 
 
 @router.get("/v1/files/{file_id}/cost_estimate")
+@documented(ok=CostEstimate, errors=(400, 404, 500, 503))
 async def cost_estimate(file_id: str, request: Request, endpoint: str = "/v1/chat/completions") -> dict[str, Any]:
     """Rows, input tokens and the estimated batch cost of a batch input file at the current prices (extension);
     output tokens are bounded by each row's ``max_tokens``, so the cost is an upper bound."""

@@ -26,6 +26,7 @@ from importlib import resources
 from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, routing
+from fastapi.dependencies.models import Dependant
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, Response
@@ -35,7 +36,7 @@ from pydantic.json_schema import models_json_schema
 
 from ..errors import ANTHROPIC_PREFIX
 from ..protocol.errors import AnthropicErrorResponse, ErrorResponse
-from ..services.accounts import BILLED_ROUTES, OPEN_ROUTES
+from ..services.accounts import BILLED_ROUTES, OPEN_ROUTES, require_admin
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,12 +145,25 @@ def documented(
 
 @dataclass(frozen=True)
 class Operation:
-    """One routed endpoint of the application: its path (as the document writes it), methods and documentation
-    (None when its endpoint was not decorated with :func:`documented`)."""
+    """One routed endpoint of the application: its path (as the document writes it), methods, documentation
+    (None when its endpoint was not decorated with :func:`documented`) and whether it is for admin keys only (it
+    depends on ``services/accounts.require_admin``, directly or through its router: 403 for other keys)."""
 
     path: str
     methods: frozenset[str]
     documentation: Documentation | None
+    admin: bool = False
+
+
+def _needs_admin(dependant: Dependant) -> bool:
+    """Whether ``require_admin`` is among the dependencies of a route (at any depth)."""
+    stack = [dependant]
+    while stack:
+        node = stack.pop()
+        if node.call is require_admin:
+            return True
+        stack.extend(node.dependencies)
+    return False
 
 
 def operations(app: FastAPI) -> list[Operation]:
@@ -162,7 +176,7 @@ def operations(app: FastAPI) -> list[Operation]:
             path = getattr(context, "path_format", route.path_format)
             documentation = doc if isinstance(doc, Documentation) else None
             methods = set(getattr(context, "methods", None) or route.methods or ())
-            found.append(Operation(path, frozenset(methods), documentation))
+            found.append(Operation(path, frozenset(methods), documentation, _needs_admin(route.dependant)))
     return found
 
 
@@ -187,16 +201,20 @@ def _models(routes: list[tuple[str, Documentation]]) -> list[tuple[type[BaseMode
     return list(wanted)
 
 
-def _auth_errors(method: str, path: str) -> tuple[int, ...]:
+def _auth_errors(method: str, path: str, admin: bool) -> tuple[int, ...]:
     """What authentication adds to a route's errors (``services/accounts.authenticate``): 401 on every route but the
-    open ones, 402 on the inference routes."""
+    open ones, 402 on the inference routes, 403 on the admin-only ones (``require_admin``)."""
     if (method.upper(), path) in OPEN_ROUTES:
         return ()
-    return (401, 402) if method.upper() == "POST" and path in BILLED_ROUTES else (401,)
+    billed = (402,) if method.upper() == "POST" and path in BILLED_ROUTES else ()
+    return (401, *billed, *((403,) if admin else ()))
 
 
-def _operation(method: str, path: str, doc: Documentation, operation: dict[str, Any], refs: Mapping[Any, Any]) -> None:
+def _operation(
+    method: str, op: Operation, doc: Documentation, operation: dict[str, Any], refs: Mapping[Any, Any]
+) -> None:
     """Fill one operation of the document from its route's :class:`Documentation` (in place)."""
+    path = op.path
 
     def ref(model: type[BaseModel], mode: str) -> dict[str, Any]:
         return dict(refs[(model, mode)])
@@ -231,7 +249,7 @@ def _operation(method: str, path: str, doc: Documentation, operation: dict[str, 
         success["content"] = ok
     envelope = AnthropicErrorResponse if _is_anthropic(path) else ErrorResponse
     responses: dict[str, Any] = {"200": success}
-    for status in sorted({*doc.errors, *_auth_errors(method, path)}):
+    for status in sorted({*doc.errors, *_auth_errors(method, path, op.admin)}):
         responses[str(status)] = {
             "description": ERROR_MEANINGS[status],
             "content": {"application/json": {"schema": ref(envelope, "serialization")}},
@@ -268,7 +286,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
         for method in op.methods:
             operation = document["paths"].get(op.path, {}).get(method.lower())
             if operation is not None:
-                _operation(method, op.path, op.documentation, operation, refs)
+                _operation(method, op, op.documentation, operation, refs)
     for item in document["paths"].values():
         for operation in item.values():
             operation.get("responses", {}).pop("422", None)

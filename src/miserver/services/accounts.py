@@ -30,11 +30,12 @@ from ..errors import (
     ConflictError,
     InsufficientQuotaError,
     InvalidRequestError,
-    MissingParameterError,
     NotFoundError,
     PermissionDeniedError,
 )
 from ..ids import now, ordered_id
+from ..protocol.accounts import KeyCreateRequest, KeyObject, TopUpRequest
+from ..protocol.common import parse_request
 from ..store import Store
 from ..store import keys as store_keys
 from ..store.keys import KeyRecord
@@ -142,32 +143,22 @@ def digest(key: str) -> str:
 
 
 def key_object(record: KeyRecord, key: str | None = None) -> dict[str, Any]:
-    """The JSON of a key: ``{id, object, name, prefix, admin, balance, max_pending_batches, max_enqueued_tokens,
-    created_at, revoked_at}``, plus ``key`` only when just made (shown this once)."""
-    body: dict[str, Any] = {
-        "id": record.id,
-        "object": "api_key",
-        "name": record.name,
-        "prefix": record.prefix,
-        "admin": record.admin,
-        "balance": record.balance,
-        "max_pending_batches": record.max_pending_batches,
-        "max_enqueued_tokens": record.max_enqueued_tokens,
-        "created_at": record.created_at,
-        "revoked_at": record.revoked_at,
-    }
-    if key is not None:
-        body["key"] = key
-    return body
-
-
-def _check_amount(value: Any, param: str, *, positive: bool = False) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
-        bound = "an integer above 0" if positive else "an integer of at least 0"
-        raise InvalidRequestError(f"Invalid '{param}': expected {bound} (micro-units for money).", param=param)
-    return value
+    """The JSON of a key (:class:`~miserver.protocol.accounts.KeyObject`): ``{id, object, name, prefix, admin,
+    balance, max_pending_batches, max_enqueued_tokens, created_at, revoked_at}``, plus ``key`` only when just made
+    (shown this once)."""
+    shown = KeyObject(
+        id=record.id,
+        name=record.name,
+        prefix=record.prefix,
+        admin=record.admin,
+        balance=record.balance,
+        max_pending_batches=record.max_pending_batches,
+        max_enqueued_tokens=record.max_enqueued_tokens,
+        created_at=record.created_at,
+        revoked_at=record.revoked_at,
+        key=key,
+    )
+    return shown.model_dump(exclude=None if key is not None else {"key"})
 
 
 @dataclass(frozen=True)
@@ -183,27 +174,16 @@ class KeySpec:
 
     @classmethod
     def parse(cls, body: Any) -> KeySpec:
-        """The spec of a ``POST /api/keys`` body; 400 naming the field for anything else (unknown fields too)."""
-        if not isinstance(body, dict):
-            raise InvalidRequestError("The body must be a JSON object.")
-        known = {"name", "admin", "balance", "max_pending_batches", "max_enqueued_tokens"}
-        for field in body:
-            if field not in known:
-                raise InvalidRequestError(
-                    f"Unrecognized request argument supplied: {field}", param=str(field), code="unknown_parameter"
-                )
-        name = body.get("name")
-        if not isinstance(name, str) or not 1 <= len(name) <= 128:
-            raise InvalidRequestError("Invalid 'name': a string of 1 to 128 characters is required.", param="name")
-        admin = body.get("admin", False)
-        if not isinstance(admin, bool):
-            raise InvalidRequestError("Invalid 'admin': expected a boolean.", param="admin")
+        """The spec of a ``POST /api/keys`` body, parsed with :class:`~miserver.protocol.accounts.KeyCreateRequest`
+        (the model the OpenAPI document shows): 400 naming the field for anything else, unknown fields too
+        (``unknown_parameter``)."""
+        req = parse_request(KeyCreateRequest, body, strict=True)
         return cls(
-            name=name,
-            admin=admin,
-            balance=_check_amount(body.get("balance"), "balance"),
-            max_pending_batches=_check_amount(body.get("max_pending_batches"), "max_pending_batches"),
-            max_enqueued_tokens=_check_amount(body.get("max_enqueued_tokens"), "max_enqueued_tokens"),
+            name=req.name,
+            admin=req.admin,
+            balance=req.balance,
+            max_pending_batches=req.max_pending_batches,
+            max_enqueued_tokens=req.max_enqueued_tokens,
         )
 
 
@@ -249,12 +229,11 @@ async def revoke_key(store: Store, key_id: str) -> KeyRecord:
     raise ConflictError(f"The API key {key_id} is already revoked.", param="key_id", code="key_revoked")
 
 
-async def top_up(store: Store, key_id: str, amount: Any) -> KeyRecord:
-    """Add ``amount`` micro-units to a key's balance (a credit line). Raises 400 for an amount that is not a
-    positive integer or for an unlimited or revoked key, 404 for an unknown key."""
-    value = _check_amount(amount, "amount", positive=True)
-    if value is None:
-        raise MissingParameterError("Missing required parameter: 'amount'.", param="amount")
+async def top_up(store: Store, key_id: str, body: Any) -> KeyRecord:
+    """Add the ``amount`` micro-units of a ``POST /api/keys/{id}/top_up`` body (parsed strictly with
+    :class:`~miserver.protocol.accounts.TopUpRequest`) to a key's balance (a credit line). Raises 400 for a body
+    that is not ``{amount}`` with a positive integer, or for an unlimited or revoked key, 404 for an unknown key."""
+    value = parse_request(TopUpRequest, body, strict=True).amount
     async with store.tx() as conn:
         try:
             return await store_keys.top_up(conn, key_id, value, now())

@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..errors import InsufficientQuotaError, InvalidRequestError, NotFoundError, QueueQuotaError
 from ..ids import now, random_id
+from ..protocol.accounts import CostEstimate, UsageRow
 from ..scheduler import Priority
 from ..store import Store
 from ..store import keys as store_keys
@@ -380,7 +381,8 @@ async def usage_rollup(
         data = await store_usage.rollup(
             conn, group_by=group_by, start=start, end=end, key_id=key_filter, model=model, kind=kind
         )
-    return {"object": "list", "group_by": group_by, "currency": currency, "data": data}
+    rows = [UsageRow(**row).model_dump(exclude_unset=True) for row in data]  # only the group_by's group field
+    return {"object": "list", "group_by": group_by, "currency": currency, "data": rows}
 
 
 async def estimate_file_cost(store: Store, ctx: ServiceContext, file_id: str, endpoint: str) -> dict[str, Any]:
@@ -432,22 +434,21 @@ async def estimate_file_cost(store: Store, ctx: ServiceContext, file_id: str, en
         for raw in lines:
             account(raw)
     account(buffer)
-    return {
-        "object": "batch.cost_estimate",
-        "file_id": file_id,
-        "endpoint": endpoint,
-        "rows": rows,
-        "skipped_lines": skipped,
-        "input_tokens": input_tokens,
-        "output_tokens_upper_bound": output_tokens,
-        "rows_without_max_tokens": unbounded,
-        "estimated_cost": total_cost,
-        "estimated_cost_is_upper_bound": unbounded == 0,
-        "currency": prices.currency,
-        "batch_discount": prices.batch_discount,
-        "note": "Input tokens are counted with the resident model's tokenizer over the prompt text (chat template "
+    return CostEstimate(
+        file_id=file_id,
+        endpoint=endpoint,
+        rows=rows,
+        skipped_lines=skipped,
+        input_tokens=input_tokens,
+        output_tokens_upper_bound=output_tokens,
+        rows_without_max_tokens=unbounded,
+        estimated_cost=total_cost,
+        estimated_cost_is_upper_bound=unbounded == 0,
+        currency=prices.currency,
+        batch_discount=prices.batch_discount,
+        note="Input tokens are counted with the resident model's tokenizer over the prompt text (chat template "
         "tokens excluded); output tokens are each row's max_tokens, an upper bound of what it may produce.",
-    }
+    ).model_dump()
 
 
 @dataclass(frozen=True)
