@@ -28,8 +28,10 @@ lint: $(STAMP)  ## ruff (lint and import order), then mypy --strict over src/mis
 browser:  ## Debian's chromium for the console's browser tests (Playwright drives it; never a browser download)
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 
+# Two pytest workers, each taking whole modules (a module's server is started once, in one worker): most of the
+# suite's time is servers starting and batches waiting, which two workers on two cores overlap.
 test: lint browser  ## the checks above, then the whole suite (unit, integration on SQLite and PostgreSQL, end to end)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile
 
 serve: $(STAMP)  ## the server alone, on the embedded defaults
 	$(BIN)/miserver serve
