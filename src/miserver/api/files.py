@@ -12,7 +12,7 @@ from ..protocol.files import FileDeleted, FileList, FileObject, FileUploadForm
 from ..services import files as service
 from .common import list_object, state
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
-from .upload import receive_upload
+from .upload import receive_batch_upload
 
 router = APIRouter()
 
@@ -25,14 +25,7 @@ async def upload_file(request: Request) -> dict[str, Any]:
     """Multipart ``file`` + ``purpose`` (+ ``expires_after[...]``) -> the FileObject; limits checked while streaming."""
     st = state(request)
     s = st.settings
-    upload = await receive_upload(
-        request.headers.get("content-type", ""),
-        request.stream(),
-        tmp_dir=s.data_dir / "tmp",
-        max_file_bytes=s.batch_max_file_bytes,
-        max_line_bytes=s.batch_max_line_bytes,
-        max_rows=s.batch_max_rows,
-    )
+    upload = await receive_batch_upload(request.headers.get("content-type", ""), request.stream(), s)
     try:
         form = service.FileUpload(
             fields=upload.fields,

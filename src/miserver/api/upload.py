@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from ..errors import InvalidRequestError, PayloadTooLargeError
+from ..settings import Settings
 
 MAX_FIELD_BYTES = 65536
 
@@ -229,3 +230,16 @@ async def receive_upload(
                 code="too_many_rows",
             )
     return upload
+
+
+async def receive_batch_upload(content_type: str, body: AsyncIterator[bytes], settings: Settings) -> Upload:
+    """:func:`receive_upload` under the server's batch file limits (``BATCH_MAX_FILE_BYTES``, ``BATCH_MAX_LINE_BYTES``,
+    ``BATCH_MAX_ROWS``), into ``<data dir>/tmp``: the one way both the Files API and the console take an upload."""
+    return await receive_upload(
+        content_type,
+        body,
+        tmp_dir=settings.data_dir / "tmp",
+        max_file_bytes=settings.batch_max_file_bytes,
+        max_line_bytes=settings.batch_max_line_bytes,
+        max_rows=settings.batch_max_rows,
+    )

@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 
-from ..api.upload import receive_upload
+from ..api.upload import receive_batch_upload
 from ..errors import APIError, AuthenticationError, InvalidRequestError, PermissionDeniedError
 from ..protocol.batches import BATCH_ENDPOINTS, BATCH_STATUSES, TERMINAL
 from ..services import accounts, billing, console, files, operations
@@ -284,14 +284,7 @@ async def upload(request: Request) -> Response:
     await _check_csrf(request)
     st = console_state(request).app_state
     s = st.settings
-    received = await receive_upload(
-        request.headers.get("content-type", ""),
-        request.stream(),
-        tmp_dir=s.data_dir / "tmp",
-        max_file_bytes=s.batch_max_file_bytes,
-        max_line_bytes=s.batch_max_line_bytes,
-        max_rows=s.batch_max_rows,
-    )
+    received = await receive_batch_upload(request.headers.get("content-type", ""), request.stream(), s)
     try:
         form = files.FileUpload(
             fields={**received.fields, "purpose": "batch"},
