@@ -15,8 +15,12 @@ import pytest
 from miserver.engines.upstream.client import ServedModel, Upstream, read_models
 from miserver.engines.upstream.config import Timeouts, parse_entry, parse_upstreams
 from miserver.engines.upstream.errors import normalize_error, stream_error
-from miserver.engines.upstream.pool import RetryPolicy, UpstreamPool, retry_after, send
+from miserver.engines.upstream.pool import Gateway, RetryPolicy, UpstreamPool, retry_after, send
 from miserver.errors import UpstreamUnavailableError
+from miserver.scheduler import AdmissionGate
+from miserver.services import gateway as service
+from miserver.services.chat import parse
+from miserver.services.context import Call, ServiceContext, StreamResult
 
 
 def test_entries_with_options_and_the_problems_of_bad_ones() -> None:
@@ -154,3 +158,49 @@ async def test_rows_to_a_killed_member_go_to_the_live_one_and_never_to_a_server_
         await send(pool, "/chat/completions", {"model": "m"}, request_id="req_9", policy=policy,
                    deadline=deadline, defer_at_deadline=False)  # fmt: skip
     await asyncio.gather(a.upstream.close(), b.upstream.close())
+
+
+class _Streamer:
+    """An upstream that streams a chat completion and, when asked (``stream_options.include_usage``), ends with the
+    usage-only chunk, as OpenAI and vLLM do; it keeps the bodies it was sent."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, object]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m", "created": 1}
+        events = [{**chunk, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+            events.append({**chunk, "choices": [], "usage": usage})
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_a_stream_through_the_gateway_is_counted_whether_or_not_the_client_asks(include_usage: bool) -> None:
+    """The gateway asks the upstream for the stream's usage (so that billing can count it) and keeps it in the
+    stream's :class:`StreamUsage`; a client that did not ask gets no usage chunk, as from the upstream directly."""
+
+    streamer = _Streamer()
+    gw = Gateway([parse_entry("a=http://a.test:1")], Timeouts(), RetryPolicy(max_attempts=1, base=0.001))
+    gw.upstreams[0].client = httpx.AsyncClient(base_url="http://a.test:1/v1", transport=httpx.MockTransport(streamer))
+    await gw.refresh()
+    pool = gw.pool("m")
+    assert pool is not None
+    ctx = ServiceContext(engine=None, gate=AdmissionGate(), gateway=gw)
+    body: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    result = await service.create(ctx, pool, "/v1/chat/completions", parse(body, strict=True), body, Call())
+    assert isinstance(result, StreamResult)
+    events = [json.loads(e) for e in [e async for e in result.events] if e != "[DONE]"]
+    assert streamer.bodies[0]["stream_options"] == {"include_usage": True}  # always asked of the upstream
+    assert [e["usage"] for e in events if "usage" in e] == ([{"prompt_tokens": 7, "completion_tokens": 2,
+                                                              "total_tokens": 9}] if include_usage else [])  # fmt: skip
+    assert (result.usage.known, result.usage.prompt_tokens, result.usage.completion_tokens) == (True, 7, 2)
+    await gw.upstreams[0].close()

@@ -32,7 +32,7 @@ from ..engines.upstream.errors import normalize_error, stream_error
 from ..errors import APIError, ContextLengthError, UpstreamError, UpstreamUnavailableError
 from ..ids import random_id
 from ..scheduler import Slot
-from .context import Call, ServiceContext, ServiceResult, StreamResult
+from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage
 from .many import Outcome, Plan, server_error
 
 log = logging.getLogger("miserver.gateway")
@@ -168,16 +168,23 @@ async def create(
     deadline = time.monotonic() + max((u.timeouts.total for u in pool.members), default=gateway.timeouts.total)
     kwargs: dict[str, Any] = {"request_id": random_id("req_"), "policy": gateway.policy, "deadline": deadline}
     if getattr(req, "stream", None) is True:
+        # The usage is always asked of the upstream, so that every stream can be billed; a client that did not ask
+        # for it does not see it (see _relay).
+        options = body.get("stream_options")
+        hide_usage = not (isinstance(options, dict) and options.get("include_usage") is True)
+        sent = {**body, "stream_options": {**(options or {}), "include_usage": True}} if hide_usage else body
+        counted = StreamUsage()
         slot = await pool.gate.acquire(call.priority)
         try:
-            answer = await send(pool, UPSTREAM_PATHS[endpoint], body, defer_at_deadline=False, stream=True, **kwargs)
+            answer = await send(pool, UPSTREAM_PATHS[endpoint], sent, defer_at_deadline=False, stream=True, **kwargs)
             if answer.response is None:
                 _result(answer, model, req)  # an error answer raises here
                 raise UpstreamError(502, normalize_error(502, b"", answer.upstream.name))
         except BaseException:
             pool.gate.release(slot)
             raise
-        return StreamResult(_relay(answer, model, pool, slot), _headers(answer, model, req))
+        events = _relay(answer, model, pool, slot, counted, hide_usage)
+        return StreamResult(events, _headers(answer, model, req), counted)
     async with pool.gate.hold(call.priority):
         answer = await send(pool, UPSTREAM_PATHS[endpoint], body, defer_at_deadline=False, **kwargs)
     return _result(answer, model, req)
@@ -187,10 +194,16 @@ def _error_event(message: str, code: str) -> str:
     return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
 
 
-async def _relay(answer: Answer, model: str, pool: UpstreamPool, slot: Slot) -> AsyncIterator[str]:
+async def _relay(
+    answer: Answer, model: str, pool: UpstreamPool, slot: Slot, counted: StreamUsage, hide_usage: bool
+) -> AsyncIterator[str]:
     """The upstream's ``data:`` payloads with ``model`` rewritten; an error chunk is passed on in OpenAI's envelope
     and ends the stream, and a stream that ends (or breaks) before ``[DONE]`` ends with an
-    ``upstream_stream_cut`` error event: neither reads as a finished answer."""
+    ``upstream_stream_cut`` error event: neither reads as a finished answer.
+
+    The usage the upstream reports is kept in ``counted`` (for billing); with ``hide_usage`` (the client did not ask
+    for ``stream_options.include_usage``, which was asked of the upstream for it) the usage-only chunk is not passed
+    on and a usage object on another chunk is removed, so the client gets the stream it asked for."""
     assert answer.response is not None
     name = answer.upstream.name
     try:
@@ -212,8 +225,16 @@ async def _relay(answer: Answer, model: str, pool: UpstreamPool, slot: Slot) -> 
             if error is not None:
                 yield json.dumps(error)
                 return
-            if isinstance(payload, dict) and "model" in payload:
-                payload["model"] = model
+            if isinstance(payload, dict):
+                if "model" in payload:
+                    payload["model"] = model
+                usage = payload.get("usage")
+                if isinstance(usage, dict):
+                    counted.set(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+                    if hide_usage:
+                        if not payload.get("choices"):
+                            continue  # the usage-only chunk the client did not ask for
+                        del payload["usage"]
             yield json.dumps(payload)
         yield _error_event(f"The upstream '{name}' closed the stream before it finished.", "upstream_stream_cut")
     except (httpx.HTTPError, TimeoutError) as exc:
