@@ -171,13 +171,19 @@ async def test_cancel_during_finalizing_backlog_and_queued_batches(
     assert health["inference"]["slots"] == {"total": 1, "in_use": 0}
     assert health["model"]["id"] == "tiny"
 
-    # a second batch waits its turn behind the first, which holds the lease while it runs
+    # a second batch shares the engine with the first (batches take turns chunk by chunk, issue 14): while the first
+    # is held in finalizing, the second runs all its rows (its own finish is held too)
     second = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     release = hold_finishing(monkeypatch)
     set_weights_torn(database_url, False)
     await until(client, first.id, "finalizing")
-    queued = await until(client, second.id, "in_progress", "queued")
-    assert (queued.model_extra or {})["millm"]["waiting_reason"] == "queued"
+    for _ in range(1200):
+        running = await client.batches.retrieve(second.id)
+        if running.request_counts is not None and running.request_counts.completed == 5:
+            break
+        await asyncio.sleep(0.05)
+    assert running.status == "in_progress" and running.request_counts is not None, running
+    assert running.request_counts.completed == 5, running
 
     # cancel while finalizing: the batch ends cancelled, never completed, and keeps every recorded row
     cancelling = await client.batches.cancel(first.id)
