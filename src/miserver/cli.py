@@ -269,7 +269,11 @@ def _client(url: str) -> Any:
 
     # a server with API keys needs one: OPENAI_API_KEY, as the OpenAI SDK reads it (any value on a server without)
     api_key = os.environ.get("OPENAI_API_KEY") or "miserver"
-    return OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=2)
+    client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=2)
+    # closed with the command's context, on success and on error alike, so no connection outlives the command
+    # (in-process callers, such as tests with click's CliRunner, would otherwise leak its sockets)
+    ctx = click.get_current_context(silent=True)
+    return ctx.with_resource(client) if ctx is not None else client
 
 
 @main.group(invoke_without_command=True)

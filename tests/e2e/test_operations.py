@@ -235,20 +235,28 @@ def test_cli_list_watch_pause_resume_cancel_retry_download(server: ServerProcess
         assert result.exit_code == 0, result.output
         return result.output
 
-    data = jsonl([embed("c-1", "fine"), embed("c-2", TOO_LONG)])
+    # enough rows that the batch is still running when the next command arrives (pause, then cancel, of a batch
+    # that has already completed is a 409, rightly)
+    fine = [f"c-{i}" for i in range(1, 61) if i != 2]
+    data = jsonl([embed("c-2", TOO_LONG), *(embed(c, f"fine {c} " * 20) for c in fine)])
     batch = submit(client, data, endpoint=EMBEDDINGS)
     paused = cli("pause", batch.id)
     assert paused.startswith(f"{batch.id}: ") and paused.strip().endswith(", paused")
     assert cli("resume", batch.id).strip().endswith(", resumed")
-    assert "1 completed, 1 failed of 2" in cli("watch", batch.id)
+    assert "59 completed, 1 failed of 60" in cli("watch", batch.id)
     assert batch.id in cli("list", "--limit", "5")
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     cli("download", batch.id, "-o", str(out), "-e", str(err))
-    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["c-1"]
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == sorted(fine)
     assert [json.loads(x)["custom_id"] for x in err.read_text().splitlines()] == ["c-2"]
     retried = cli("retry", batch.id).strip()
     assert retried.startswith("batch_") and retried != batch.id
-    assert f"{retried}: " in cli("cancel", retried)
+    assert [r["custom_id"] for r in read_lines(client, client.batches.retrieve(retried).input_file_id)] == ["c-2"]
+    wait_terminal(client, retried)
+    large = submit(client, chat_lines("cancel", 200))
+    cancelled = cli("cancel", large.id)
+    assert cancelled.startswith(f"{large.id}: ") and ("cancelling" in cancelled or "cancelled" in cancelled)
+    assert wait_terminal(client, large.id).status == "cancelled"
     refused = CliRunner().invoke(main, ["batch", "pause", batch.id, *url])
     assert refused.exit_code == 1 and "409 batch_not_active" in refused.output
 
