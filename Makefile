@@ -31,7 +31,7 @@ browser:  ## Debian's chromium for the console's browser tests (Playwright drive
 # Two pytest workers, each taking whole modules (a module's server is started once, in one worker): most of the
 # suite's time is servers starting and batches waiting, which two workers on two cores overlap.
 test: lint browser  ## the checks above, then the whole suite (unit, integration on SQLite and PostgreSQL, end to end)
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder
 
 serve: $(STAMP)  ## the server alone, on the embedded defaults
 	$(BIN)/miserver serve

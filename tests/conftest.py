@@ -14,6 +14,31 @@ from tests.support.databases import database
 from tests.support.server import ServerProcess, tiny_server_process
 from tests.support.tiny_model import build_tiny_model
 
+#: Modules that take longest (wall seconds measured on these 2 cores with two pytest workers), run first: ``make
+#: test`` hands whole modules to two workers in collection order (``--dist loadfile --no-loadscope-reorder``), so a
+#: long module that starts late would run alone at the end while the other worker idles.
+LONGEST_FIRST = (
+    "tests/e2e/test_real_model.py",
+    "tests/e2e/test_exactly_once.py",
+    "tests/e2e/test_restart.py",
+    "tests/e2e/test_leases.py",
+    "tests/e2e/test_scale_out.py",
+    "tests/e2e/test_batches_api.py",
+    "tests/e2e/test_scoring_embeddings_probes.py",
+    "tests/e2e/test_model_life.py",
+    "tests/e2e/test_accounts.py",
+    "tests/e2e/test_schema_fuzz.py",
+    "tests/e2e/test_console.py",
+    "tests/unit/test_engine_local.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order modules longest first (:data:`LONGEST_FIRST`), the rest as collected; tests keep their order within a
+    module."""
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -1,7 +1,8 @@
 """End to end on the real embedded model (SmolLM2-135M-Instruct, Q4_1 GGUF) with the official SDK in strict mode.
 
 One server on SQLite for the module. (a) 200 AG News rows (50 per label, the first of each label in file order) ask
-for the topic through the Batch API; every row must complete, once, in input order, with a body that parses as an
+for the topic through the Batch API, packed (``pack: true``: rows decode together; ``make demo`` runs the default,
+one row at a time, on the same model); every row must complete, once, in input order, with a body that parses as an
 SDK ``ChatCompletion``; the accuracy is printed (run with ``-s`` to see it). (b) A synchronous greedy chat answers
 "Paris", and the model named without its quantization tag is a 404 that names the exact id.
 
@@ -73,7 +74,9 @@ def test_ag_news_topics_through_the_batch_api(real_server: ServerProcess) -> Non
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     uploaded = client.files.create(file=("ag_news_topics.jsonl", data), purpose="batch")
     started = time.monotonic()
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", extra_body={"pack": True}
+    )
     done = wait_for(
         lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed", "expired", "cancelled")
         and b,

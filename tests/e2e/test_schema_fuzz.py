@@ -59,7 +59,7 @@ LEFT_OUT = {
 }
 #: The run's bounds: examples per operation and mode in the fuzzing phase, and the whole run's time budget.
 MAX_EXAMPLES = 8
-MAX_SECONDS = 50
+MAX_SECONDS = 30
 SEED = 18
 #: The fuzzed model's context in tokens (see ``fuzz_server``).
 CONTEXT = 128
