@@ -1,0 +1,83 @@
+"""The ``main`` click group and what several command modules share: the default URL, the client and its errors,
+and running a coroutine on the server's database."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import click
+
+from ..settings import Settings
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def client_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """Turn the ``openai`` client's errors into one-line messages (exit status 1) instead of tracebacks."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        import openai
+
+        try:
+            return command(*args, **kwargs)
+        except openai.APIStatusError as exc:
+            error = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else {}
+            message = error.get("message") if isinstance(error, dict) else None
+            code = error.get("code") if isinstance(error, dict) else None
+            text = f"{exc.status_code} {code or ''}: {message or exc.message}".replace(" :", ":")
+            raise click.ClickException(text) from None
+        except openai.APIConnectionError:
+            url = kwargs.get("url", DEFAULT_URL)
+            raise click.ClickException(
+                f"cannot reach a server at {url} (is `miserver serve` running? see --url)"
+            ) from None
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="miserver")
+def main() -> None:
+    """miServer: an OpenAI-compatible inference server with a durable Batch API."""
+
+
+def _client(url: str) -> Any:
+    from openai import OpenAI
+
+    # a server with API keys needs one: OPENAI_API_KEY, as the OpenAI SDK reads it (any value on a server without)
+    api_key = os.environ.get("OPENAI_API_KEY") or "miserver"
+    client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=2)
+    # closed with the command's context, on success and on error alike, so no connection outlives the command
+    # (in-process callers, such as tests with click's CliRunner, would otherwise leak its sockets)
+    ctx = click.get_current_context(silent=True)
+    return ctx.with_resource(client) if ctx is not None else client
+
+
+def _on_store(database_url: str | None, data_dir: str, work: Callable[[Any], Any]) -> Any:
+    """Run ``await work(store)`` on the server's database (migrated first); errors become one-line messages."""
+    import asyncio
+
+    from ..errors import APIError
+    from ..store import Store
+
+    settings = Settings(data_dir=Path(data_dir), database_url=database_url)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> Any:
+        store = await Store.open(settings.resolved_database_url())
+        try:
+            return await work(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(run())
+    except APIError as exc:
+        raise click.ClickException(exc.message) from None

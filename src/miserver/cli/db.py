@@ -1,0 +1,40 @@
+"""``miserver db``: database administration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..settings import Settings
+from .base import main
+
+
+@main.group()
+def db() -> None:
+    """Database administration."""
+
+
+@db.command("upgrade")
+@click.option("--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL.")
+@click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+def db_upgrade(database_url: str | None, data_dir: str) -> None:
+    """Apply the schema migrations (serve does this at start too).
+
+    \b
+    Example:
+      miserver db upgrade --database-url postgresql+psycopg://postgres@127.0.0.1/test
+    """
+    from sqlalchemy.exc import OperationalError
+
+    from ..store.db import upgrade
+
+    settings = Settings(data_dir=Path(data_dir), database_url=database_url)
+    try:
+        upgrade(settings.resolved_database_url())
+    except OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[-1] if exc.orig is not None else str(exc)
+        raise click.ClickException(
+            f"cannot open the database: {reason} (a PostgreSQL database must exist first: createdb NAME)"
+        ) from None
+    click.echo("database at head")
