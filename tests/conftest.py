@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -10,9 +11,15 @@ import pytest
 
 from miserver.engines.local.engine import LocalEngine
 from miserver.store import Store
+from tests.support import forkserver
 from tests.support.databases import database
 from tests.support.server import ServerProcess, tiny_server_process
 from tests.support.tiny_model import build_tiny_model
+
+# servers start from a fork server that has imported torch and transformers (2 s instead of 10 s each, some seventy
+# starts); MISERVER_TEST_SPAWN=1 spawns a new interpreter for each, as outside the tests
+if not os.environ.get("MISERVER_TEST_SPAWN"):
+    forkserver.install()
 
 #: Modules that take longest (wall seconds measured on these 2 cores with two pytest workers), run first: ``make
 #: test`` hands whole modules to two workers in collection order (``--dist loadfile --no-loadscope-reorder``), so a

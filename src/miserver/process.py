@@ -22,8 +22,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import openai
@@ -36,7 +37,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stop_process(proc: subprocess.Popen[bytes] | None, sig: int, timeout: float) -> int | None:
+class ChildProcess(Protocol):
+    """What this module needs of a started child: :class:`subprocess.Popen`'s ``pid``, ``returncode`` (``-N``
+    after signal N), ``poll``, ``wait`` (raising :class:`subprocess.TimeoutExpired`), ``send_signal`` and ``kill``."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def popen(cmd: list[str], env: dict[str, str], log_path: Path, new_session: bool) -> ChildProcess:
+    """Run ``cmd`` with exactly ``env``, its stdout and stderr appended to ``log_path``; ``new_session``: in its own
+    session (a Ctrl-C in the terminal reaches the parent only)."""
+    with log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
+
+
+#: How :class:`ServerProcess` and :class:`WorkerProcess` start their child ``[python, "-m", "miserver.cli", ...]``:
+#: a new interpreter. The test suite swaps in a fork server that has imported torch already
+#: (``tests/support/forkserver.py``).
+SPAWN: Callable[[list[str], dict[str, str], Path, bool], ChildProcess] = popen
+
+
+def stop_process(proc: ChildProcess | None, sig: int, timeout: float) -> int | None:
     """Send ``sig`` to ``proc`` (if it runs) and wait up to ``timeout`` seconds for it to end, then SIGKILL it;
     returns its exit status (None when it never started)."""
     if proc is None or proc.poll() is not None:
@@ -77,7 +109,7 @@ class ServerProcess:
         self.served_model_name = served_model_name
         self.extra_env = env or {}
         self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ChildProcess | None = None
         self.log_path = data_dir / f"server-{self.port}.log"
         # the clients handed out, closed by stop(): an unclosed connection is a ResourceWarning (an error in tests)
         self._clients: list[openai.OpenAI | httpx.Client] = []
@@ -96,11 +128,7 @@ class ServerProcess:
             cmd += ["--model", self.model]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
-        env = {**os.environ, **self.extra_env}
-        with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=self.new_session
-            )
+        self.proc = SPAWN(cmd, {**os.environ, **self.extra_env}, self.log_path, self.new_session)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -175,7 +203,7 @@ class WorkerProcess:
         self.served_model_name = served_model_name
         self.extra_env = env or {}
         self.name = name
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ChildProcess | None = None
         self.log_path = data_dir / f"{name}.log"
 
     def start(self, timeout: float = 120.0) -> WorkerProcess:
@@ -184,10 +212,7 @@ class WorkerProcess:
                "--data-dir", str(self.data_dir), "--model", self.model, "--worker-id", self.name]  # fmt: skip
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
-        with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env}
-            )
+        self.proc = SPAWN(cmd, {**os.environ, **self.extra_env}, self.log_path, False)
         wait_for(lambda: self.proc.poll() is not None or f"worker {self.name} ready" in self.log(), timeout=timeout)
         if self.proc.poll() is not None:
             raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
