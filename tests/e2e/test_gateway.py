@@ -176,6 +176,11 @@ def test_a_batch_that_expires_while_its_pool_is_down(fleet: dict[str, Any], clie
         client.chat.completions.create(**chat_body("hi", model="gone"))
     assert caught.value.status_code == 503 and caught.value.body["code"] == "upstream_unavailable"  # type: ignore[index]
     assert "'gone'" in caught.value.message
+    # the detailed health names every upstream and which ones answer (no keys here: the caller is an admin)
+    health = {u["name"]: u for u in fleet["gateway"].http().get("/api/health/detailed").json()["upstreams"]}
+    assert set(health) == {"a", "b", *FAKES}
+    assert health["gone"]["live"] is False and health["gone"]["url"].startswith(fleet["gone"].base_url)
+    assert health["a"]["live"] is True and health["a"]["models"] == [UP] and health["a"]["max_in_flight"] == 2
     with sqlite3.connect(fleet["root"] / "gateway" / "miserver.db", timeout=30) as db:  # time passes: it is due
         db.execute("UPDATE batches SET expires_at = ? WHERE id = ?", (int(time.time()), batch.id))
     done = wait_terminal(client, batch.id)

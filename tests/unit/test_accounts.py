@@ -181,3 +181,12 @@ def test_usage_read_from_stream_events() -> None:
     start = {"type": "message_start", "message": {"usage": {"input_tokens": 11, "output_tokens": 1}}}
     assert billing._stream_usage("event: message_start\ndata: " + json.dumps(start)) == (11, 1)
     assert billing._stream_usage("data: [DONE]") is None
+
+
+def test_upstream_health_hides_urls_and_errors_from_a_non_admin_key() -> None:
+    entry = {"name": "a", "live": False, "models": ["m"], "in_flight": 0, "max_in_flight": 2,
+             "url": "http://10.0.0.5:8000", "last_error": "connect: refused"}  # fmt: skip
+    with accounts.acting_as(accounts.Principal("key_1", "team", admin=False)):
+        assert accounts.shown_upstreams([entry]) == [{**entry, "url": None, "last_error": None}]
+    with accounts.acting_as(accounts.Principal("key_2", "ops", admin=True)):
+        assert accounts.shown_upstreams([entry]) == [entry]

@@ -53,4 +53,5 @@ async def health_detailed(request: Request) -> dict[str, Any]:
         },
         "loading": st.ctx.loading,
         "lease": accounts.shown_lease(lease.as_json()) if lease else None,  # the token for admins only
+        "upstreams": [] if st.ctx.gateway is None else accounts.shown_upstreams(st.ctx.gateway.status()),
     }

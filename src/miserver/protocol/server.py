@@ -59,8 +59,22 @@ class LeaseObject(ResponseModel):
     expires_at: int | None
 
 
+class UpstreamHealth(ResponseModel):
+    """One upstream engine in gateway mode: its name, whether it answered its last liveness probe, the models it
+    serves, requests in flight against its ``max_in_flight``; ``url`` and ``last_error`` are shown to admin keys only
+    (null for any other key: they describe the operator's network)."""
+
+    name: str
+    live: bool
+    models: list[str]
+    in_flight: int
+    max_in_flight: int
+    url: str | None
+    last_error: str | None
+
+
 class HealthDetailed(ResponseModel):
-    """``GET /api/health/detailed``."""
+    """``GET /api/health/detailed``; ``upstreams`` is empty when no upstream is configured."""
 
     status: Literal["ok"] = "ok"
     database: Literal["sqlite", "postgresql"]
@@ -68,6 +82,7 @@ class HealthDetailed(ResponseModel):
     model: ResidentModel | None
     loading: bool
     lease: LeaseObject | None
+    upstreams: list[UpstreamHealth]
 
 
 # -- leases ---------------------------------------------------------------------------------------------------------

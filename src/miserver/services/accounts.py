@@ -113,6 +113,14 @@ def shown_lease(lease: dict[str, Any]) -> dict[str, Any]:
     return lease if current().admin else {**lease, "lease": None}
 
 
+def shown_upstreams(upstreams: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Upstream health entries (``Gateway.status()``) as the current caller may see them: whole for an admin;
+    ``url`` and ``last_error`` null for any other key (they describe the operator's network)."""
+    if current().admin:
+        return upstreams
+    return [{**u, "url": None, "last_error": None} for u in upstreams]
+
+
 @contextlib.contextmanager
 def acting_as(principal: Principal) -> Iterator[None]:
     """Run the enclosed code as ``principal`` (the runner, for a batch's owner)."""
