@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -125,6 +126,7 @@ def test_503_is_retried_with_one_request_id_until_it_recovers(fleet: dict[str, A
     assert answer.choices[0].message.content == "echo: hello" and answer.model == "flaky"
     ids = (fleet["root"] / "flaky.requests").read_text().split()
     assert len(ids) == 3 and len(set(ids)) == 1  # two 503s, then the answer: one X-Request-Id
+    assert str(uuid.UUID(ids[0], version=4)) == ids[0]  # a UUID: llama-cpp-python's server refuses anything else
 
 
 def test_a_slow_upstream_ends_at_the_total_timeout(client: openai.OpenAI) -> None:

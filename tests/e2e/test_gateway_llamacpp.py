@@ -17,7 +17,10 @@ import pytest
 from miserver.process import ServerProcess, free_port, stop_process, wait_for
 from tests.support.batches import chat_body, jsonl, line, read_lines, submit, wait_terminal
 
-pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
+# looked up, not imported: importing llama_cpp here would load its native library into the test process (and leave
+# a /dev/null handle open at exit); the server runs in its own process
+if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
+    pytest.skip("llama-cpp-python[server] is not installed", allow_module_level=True)
 
 ALIAS = "smollm2-llamacpp"
 

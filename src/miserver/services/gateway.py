@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -30,7 +31,6 @@ from ..engines.base import Engine
 from ..engines.upstream import Answer, Deferred, Gateway, UpstreamPool, send
 from ..engines.upstream.errors import normalize_error, stream_error
 from ..errors import APIError, ContextLengthError, UpstreamError, UpstreamUnavailableError
-from ..ids import random_id
 from ..scheduler import Slot
 from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage
 from .many import Outcome, Plan, server_error
@@ -150,6 +150,13 @@ def _unavailable(pool: UpstreamPool) -> UpstreamUnavailableError:
     )
 
 
+def upstream_request_id() -> str:
+    """The ``X-Request-Id`` of one request sent upstream (the same on each of its attempts): a random UUID4 string,
+    the one form every engine accepts. llama-cpp-python's server (starlette-context's ``RequestIdPlugin``) answers any
+    other value with an empty 400; vLLM and SGLang take any string."""
+    return str(uuid.uuid4())
+
+
 async def create(
     ctx: ServiceContext, pool: UpstreamPool, endpoint: str, req: Any, body: dict[str, Any], call: Call
 ) -> ServiceResult | StreamResult:
@@ -166,7 +173,7 @@ async def create(
     gateway = _gateway(ctx)
     model = body["model"]
     deadline = time.monotonic() + max((u.timeouts.total for u in pool.members), default=gateway.timeouts.total)
-    kwargs: dict[str, Any] = {"request_id": random_id("req_"), "policy": gateway.policy, "deadline": deadline}
+    kwargs: dict[str, Any] = {"request_id": upstream_request_id(), "policy": gateway.policy, "deadline": deadline}
     if getattr(req, "stream", None) is True:
         # The usage is always asked of the upstream, so that every stream can be billed; a client that did not ask
         # for it does not see it (see _relay).
@@ -366,7 +373,7 @@ async def dispatch(
         outcome: Outcome | None = None
         try:
             answer = await send(
-                pool, path, body, request_id=random_id("req_"), policy=gateway.policy, deadline=deadline,
+                pool, path, body, request_id=upstream_request_id(), policy=gateway.policy, deadline=deadline,
                 defer_at_deadline=True, stopped=call.stopped,
             )  # fmt: skip
             outcome = Outcome(index, _result(answer, body["model"], req), False)
