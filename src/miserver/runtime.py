@@ -29,9 +29,14 @@ EngineFactory = Callable[[Settings], Awaitable[Engine]]
 
 
 async def load_engine(settings: Settings) -> Engine:
-    """The resident engine for ``settings.model`` (imported lazily: torch is heavy)."""
+    """The resident engine for ``settings.model`` (imported lazily: torch is heavy), its forward passes on
+    ``settings.torch_threads`` CPU threads when set."""
     from .engines.local.engine import LocalEngine
 
+    if settings.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     return await LocalEngine.start(
         model=settings.model,
         served_model_name=settings.served_model_name,

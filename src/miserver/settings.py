@@ -57,6 +57,13 @@ class Settings(BaseSettings):
         description="converted-model cache (a GGUF load is converted once, then reloaded in about 1 s)",
     )
     device: str | None = Field(None, validation_alias=_env("MISERVER_DEVICE"), description="cuda or cpu; auto")
+    torch_threads: int | None = Field(
+        None,
+        validation_alias=_env("MISERVER_TORCH_THREADS"),
+        ge=1,
+        description="CPU threads of one forward pass of the resident model (torch.set_num_threads); default: "
+        "torch's, one per core. Fewer where other processes share the cores",
+    )
     seed: int | None = Field(
         None, validation_alias=_env("MISERVER_SEED"), description="server seed for requests without one"
     )

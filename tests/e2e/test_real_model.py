@@ -60,7 +60,14 @@ def batch_lines(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("real-model")
-    server = ServerProcess(model=MODEL, database_url=f"sqlite:///{tmp / 'miserver.db'}", data_dir=tmp / "var")
+    # one thread: the suite's other worker keeps the second core busy, and two torch threads on a shared core spend
+    # their time waiting for each other
+    server = ServerProcess(
+        model=MODEL,
+        database_url=f"sqlite:///{tmp / 'miserver.db'}",
+        data_dir=tmp / "var",
+        env={"MISERVER_TORCH_THREADS": "1"},
+    )
     with server:
         yield server
 
