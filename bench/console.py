@@ -55,7 +55,7 @@ async def seed(url: str, count: int) -> None:
         file_id = ordered_id("file-")
         async with store.tx() as conn:
             await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
-                                 expires_at=None, chunks=[b"{}\n"])  # fmt: skip
+                                 expires_at=None, chunks=[b"{}\n"], owner_key_id=None)  # fmt: skip
         for start in range(0, count, 100):
             async with store.tx() as conn:
                 for i in range(start, min(count, start + 100)):

@@ -292,6 +292,26 @@ def test_revoked_key_stops_its_batch(accounts: Accounts) -> None:
     assert total(usage_of(http, accounts.admin, key=key_id), "requests") == len(out)  # completed rows are billed
 
 
+def test_a_key_retries_its_own_batch_and_owns_the_retry(accounts: Accounts) -> None:
+    """A member key's retry: the new batch and its input file belong to the key (no other key sees them)."""
+    http = accounts.http
+    _, key, client = accounts.key("retrier")
+    _, other_key, _ = accounts.key("neighbour")
+    batch = submit(client, _rows(100, max_tokens=8))
+    client.batches.cancel(batch.id)
+    done = wait_terminal(client, batch.id)
+    assert done.status == "cancelled" and done.request_counts is not None
+    answer = http.post(f"/v1/batches/{done.id}/retry", headers=_auth(key))
+    assert answer.status_code == 200, answer.text
+    retry = client.batches.retrieve(answer.json()["id"])
+    assert retry.metadata == {"retry_of": done.id}
+    retried = [r["custom_id"] for r in read_lines(client, retry.input_file_id)]
+    assert len(retried) == 100 - done.request_counts.completed and retried[-1] == "r99"
+    assert http.get(f"/v1/batches/{retry.id}", headers=_auth(other_key)).status_code == 404
+    assert http.get(f"/v1/files/{retry.input_file_id}", headers=_auth(other_key)).status_code == 404
+    wait_terminal(client, retry.id)
+
+
 def test_ledger_after_kill9_and_prices_fixed_at_creation(accounts: Accounts) -> None:
     """Kill -9 mid-batch, restart with doubled prices: every recorded row is charged exactly once at the batch's
     creation prices, a realtime request after the restart pays the new price, and the ledger recomputes. (Last test of

@@ -18,7 +18,7 @@ async def _batch(store: Store, description: str | None, *, owner: str | None = N
     file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
     async with store.tx() as conn:
         await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
-                             expires_at=None, chunks=[b"{}\n"])  # fmt: skip
+                             expires_at=None, chunks=[b"{}\n"], owner_key_id=None)  # fmt: skip
         await sb.insert_batch(conn, batch_id=batch_id, endpoint="/v1/embeddings", input_file_id=file_id,
                               completion_window="24h", created_at=now(), expires_at=now() + 3600,
                               metadata={"description": description} if description is not None else None,

@@ -31,7 +31,7 @@ async def test_checkpoint_records_and_the_delete_guard(store: Store) -> None:
         assert await sm.list_checkpoints(conn) == [CK]
         assert await sm.get_checkpoint(conn, CK.model_id) == CK
         await sf.insert_file(conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1,
-                             expires_at=None, chunks=[b"x"])  # fmt: skip
+                             expires_at=None, chunks=[b"x"], owner_key_id=None)  # fmt: skip
         await sb.insert_batch(conn, batch_id="batch_1", endpoint="/v1/completions", input_file_id="file-1",
                               completion_window="24h", created_at=1, expires_at=86401, metadata=None, pack=False,
                               output_expires_seconds=None, weights_revision="sha256:ab")  # fmt: skip

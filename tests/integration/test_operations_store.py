@@ -84,7 +84,8 @@ async def _input_file(store: Store, rows: int) -> str:
     file_id = ordered_id("file-")
     async with store.tx() as conn:
         await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
-                             expires_at=None, chunks=[("\n".join(lines) + "\n").encode()])  # fmt: skip
+                             expires_at=None, chunks=[("\n".join(lines) + "\n").encode()],
+                             owner_key_id=None)  # fmt: skip
     return file_id
 
 

@@ -36,7 +36,7 @@ async def claimed_batch(store: Store, bodies: list[dict[str, Any]], token: str) 
     """A ``pack: true`` chat batch in progress with ``bodies`` as rows, all claimed under ``token``."""
     async with store.tx() as conn:
         await sf.insert_file(conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1,
-                             expires_at=None, chunks=[b"x"])  # fmt: skip
+                             expires_at=None, chunks=[b"x"], owner_key_id=None)  # fmt: skip
         await sb.insert_batch(conn, batch_id="batch_1", endpoint="/v1/chat/completions", input_file_id="file-1",
                               completion_window="24h", created_at=1, expires_at=86401, metadata=None, pack=True,
                               output_expires_seconds=None)  # fmt: skip

@@ -60,7 +60,7 @@ async def create_batch(store: Store, content: bytes, *, window: int = 86400) -> 
     file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
     async with store.tx() as conn:
         await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
-                             expires_at=None, chunks=[content])  # fmt: skip
+                             expires_at=None, chunks=[content], owner_key_id=None)  # fmt: skip
         return await sb.insert_batch(conn, batch_id=batch_id, endpoint=ENDPOINT, input_file_id=file_id,
                                      completion_window="24h", created_at=now(), expires_at=now() + window,
                                      metadata=None, pack=False, output_expires_seconds=None)  # fmt: skip

@@ -18,7 +18,8 @@ async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1", model
     """An ``in_progress`` batch of ``n_rows`` valid rows (line ``i + 1`` naming ``models[i]`` when given)."""
     async with store.tx() as conn:
         await sf.insert_file(
-            conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1, expires_at=None, chunks=[b"x"]
+            conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1, expires_at=None, chunks=[b"x"],
+            owner_key_id=None,
         )
         await sb.insert_batch(
             conn, batch_id=batch_id, endpoint="/v1/completions", input_file_id="file-1", completion_window="24h",
@@ -185,7 +186,7 @@ async def test_file_bytes_round_trip_in_chunks(store: Store) -> None:
     async with store.tx() as conn:
         rec = await sf.insert_file(
             conn, file_id="file-big", purpose="batch", filename="big.jsonl", created_at=1, expires_at=None,
-            chunks=[payload[i : i + 70_000] for i in range(0, len(payload), 70_000)],
+            chunks=[payload[i : i + 70_000] for i in range(0, len(payload), 70_000)], owner_key_id=None
         )  # fmt: skip
     assert rec.bytes == len(payload)
     got = b"".join([c async for c in store.file_content("file-big")])
@@ -196,7 +197,8 @@ async def test_list_files_pages_without_gaps(store: Store) -> None:
     async with store.tx() as conn:
         for i in range(7):
             await sf.insert_file(
-                conn, file_id=f"file-{i:02d}", purpose="batch", filename="f", created_at=i, expires_at=None, chunks=[]
+                conn, file_id=f"file-{i:02d}", purpose="batch", filename="f", created_at=i, expires_at=None, chunks=[],
+                owner_key_id=None,
             )
     seen: list[str] = []
     after = None

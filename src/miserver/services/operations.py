@@ -169,6 +169,7 @@ async def retry(store: Store, batch_id: str, *, max_window_hours: int, pack_defa
             created_at=created,
             expires_at=created + RETRY_WINDOW_SECONDS,
             chunks=lines,
+            owner_key_id=accounts.current().owner,  # the caller's, as the batch create_batch makes from it
         )
     metadata = dict(batch.metadata or {})
     metadata["retry_of"] = batch_id

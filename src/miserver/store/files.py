@@ -51,10 +51,11 @@ async def insert_file(
     created_at: int,
     expires_at: int | None,
     chunks: Iterable[bytes],
-    owner_key_id: str | None = None,
+    owner_key_id: str | None,
 ) -> FileRecord:
-    """Insert a file record (owned by ``owner_key_id``) and its bytes. ``chunks`` may be of any size; they are
-    re-cut to 1 MiB rows."""
+    """Insert a file record (owned by ``owner_key_id``: always named, None only on a server without keys, so that
+    no caller can forget it and make a file its own key cannot see) and its bytes. ``chunks`` may be of any size;
+    they are re-cut to 1 MiB rows."""
     await conn.execute(
         insert(files).values(
             id=file_id,
