@@ -195,8 +195,9 @@ async def test_every_state_change_is_guarded(store: Store) -> None:
     done = await get(store, batch.id)
     assert (done.status, done.completed, done.failed, done.total) == ("cancelled", 0, 3, 3)
     async with store.tx() as conn:
-        assert not await sr.record(conn, batch_id=batch.id, line=claimed[0].line, token="late", ok=True,
-                                   result="{}", input_tokens=1, output_tokens=0)  # fmt: skip
+        late = await sr.record_many(conn, batch_id=batch.id, token="late",
+                                    results=[sr.RowResult(claimed[0].line, True, "{}", 1, 0)])  # fmt: skip
+        assert late == sr.Recorded(frozenset(), "cancelled", False)
     async with store.tx() as conn:
         with pytest.raises(StaleStatus):  # no waiting reason on a finished batch
             await sb.set_fields(conn, batch.id, ("in_progress",), waiting_reason="queued")

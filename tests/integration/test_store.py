@@ -45,10 +45,10 @@ async def claim(store: Store, token: str, limit: int = 3, now_ms: int = 1000, tt
 
 async def record(store: Store, line: int, token: str) -> bool:
     async with store.tx() as conn:
-        return await sr.record(
-            conn, batch_id="batch_1", line=line, token=token, ok=True, result='{"ok": 1}', input_tokens=3,
-            output_tokens=2,
-        )  # fmt: skip
+        recorded = await sr.record_many(
+            conn, batch_id="batch_1", token=token, results=[sr.RowResult(line, True, '{"ok": 1}', 3, 2)]
+        )
+    return recorded.lines == {line}
 
 
 async def test_claims_are_disjoint_and_in_line_order(store: Store) -> None:
@@ -68,6 +68,37 @@ async def test_recorded_row_is_never_recorded_or_claimed_again(store: Store) -> 
     async with store.tx() as conn:
         b = await sb.get_batch(conn, "batch_1")
     assert b is not None and (b.completed, b.failed, b.input_tokens, b.output_tokens) == (1, 0, 3, 2)
+
+
+async def test_a_group_records_only_its_own_pending_rows_and_counts_them_once(store: Store) -> None:
+    await make_batch(store, 5)
+    assert await claim(store, "t1", limit=3) == [1, 2, 3]
+    assert await record(store, 2, "t1")  # recorded before the group
+    assert await claim(store, "t2", limit=2) == [4, 5]  # another worker's rows
+    results = [
+        sr.RowResult(1, True, '{"ok": 1}', 3, 2),
+        sr.RowResult(2, True, '{"again": 1}', 7, 7),  # already recorded: left as it is, not counted
+        sr.RowResult(3, False, '{"error": 1}', 0, 0),
+        sr.RowResult(4, True, '{"not mine": 1}', 5, 5),  # claimed under t2: fenced off
+    ]
+    async with store.tx() as conn:
+        await sb.set_fields(conn, "batch_1", ("in_progress",), paused_at=9)
+        recorded = await sr.record_many(conn, batch_id="batch_1", token="t1", results=results)
+        b = await sb.get_batch(conn, "batch_1")
+    assert recorded == sr.Recorded(frozenset({1, 3}), "in_progress", True)
+    assert b is not None and (b.completed, b.failed, b.input_tokens, b.output_tokens) == (2, 1, 6, 4)
+    rows = {r.line: r for r in await stored_rows(store)}
+    assert (rows[2].result, rows[4].state) == ('{"ok": 1}', "pending")
+    # nothing recordable: no counter moves, and the run state is still read
+    async with store.tx() as conn:
+        await sb.transition(conn, "batch_1", ("in_progress",), "cancelling", 10)
+        again = await sr.record_many(conn, batch_id="batch_1", token="t1", results=results[:1])
+    assert again == sr.Recorded(frozenset(), "cancelling", True)
+
+
+async def stored_rows(store: Store) -> list[sr.StoredRow]:
+    async with store.read() as conn:
+        return [r async for r in sr.iter_rows(conn, "batch_1")]
 
 
 async def test_fencing_token_stops_a_worker_whose_claim_was_taken(store: Store) -> None:
@@ -152,8 +183,9 @@ async def test_terminal_status_is_never_overwritten(store: Store) -> None:
         with pytest.raises(StaleStatus):  # a row is still pending: the batch cannot finish
             await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
     async with store.tx() as conn:
-        assert await sr.record(conn, batch_id="batch_1", line=line, token="t1", ok=True, result="{}",
-                               input_tokens=1, output_tokens=1)  # fmt: skip
+        recorded = await sr.record_many(conn, batch_id="batch_1", token="t1",
+                                        results=[sr.RowResult(line, True, "{}", 1, 1)])  # fmt: skip
+        assert recorded == sr.Recorded(frozenset({line}), "in_progress", False)
         await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
         await sb.transition(conn, "batch_1", ("finalizing",), "completed", 4)
         cancellable = ("validating", "in_progress", "finalizing")

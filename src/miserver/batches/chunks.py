@@ -5,7 +5,10 @@ Every batch row, packed or not, whatever the endpoint, passes through :func:`run
 1. the chunk's rows go to the endpoint service's one many-rows call (``EndpointService.create_many``) with the
    batch's plan (``None``: each row alone, exactly the synchronous computation; a planner: length-aware packs);
 2. each :class:`~miserver.services.many.Outcome` becomes an output or error line (:mod:`miserver.batches.output`)
-   and is recorded in its own transaction, fenced by the claim token (a taken-over claim cannot record);
+   and is recorded fenced by the claim token (a taken-over claim cannot record), with its usage, in one
+   transaction. A chunk whose rows run concurrently (``read_ahead``: upstream pools) records together the outcomes
+   that finished while the previous transaction ran (group commit, :func:`grouped`); otherwise each outcome is
+   recorded before the next row starts;
 3. the rules that end a chunk early live once, in the ``should_stop`` the service asks before each row or pack:
    the runner is stopping, or a cancel or a pause arrived (read in the transaction of every record); and, once at
    least one row was recorded (a chunk always makes progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is
@@ -21,10 +24,12 @@ service side without a second loop.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import APIError, EngineUnavailableError
@@ -34,12 +39,14 @@ from ..services.context import Call, ServiceContext, ServiceResult
 from ..services.many import Outcome, Plan
 from ..services.registry import EndpointService
 from ..store import Store
-from ..store import batches as store_batches
 from ..store import rows as store_rows
 from ..store import usage as store_usage
 from . import output
 
 log = logging.getLogger("miserver.batches")
+
+#: Most outcomes recorded in one transaction by a read-ahead chunk (keeps each transaction short).
+MAX_GROUP = 64
 
 
 @dataclass
@@ -75,6 +82,55 @@ def outcome_model(outcome: Outcome) -> str:
     return billing.result_model(outcome.result) if isinstance(outcome.result, ServiceResult) else ""
 
 
+async def one_by_one(outcomes: AsyncIterator[Outcome]) -> AsyncIterator[list[Outcome]]:
+    """Each outcome as a group of its own; the next is asked for only once the caller is done with this one (so
+    no further row starts before a row is recorded). Closing the groups closes ``outcomes``."""
+    try:
+        async for outcome in outcomes:
+            yield [outcome]
+    finally:
+        await outcomes.aclose()  # type: ignore[attr-defined]
+
+
+async def grouped(outcomes: AsyncIterator[Outcome], limit: int = MAX_GROUP) -> AsyncIterator[list[Outcome]]:
+    """The outcomes in groups of at most ``limit``: each group is every outcome that finished while the caller was
+    busy with the previous group, so the busier the recorder, the more rows one transaction records (group commit),
+    and a lone outcome is yielded at once. The outcomes are read by a task of their own meanwhile. An exception of
+    ``outcomes`` is raised after every outcome that came before it was yielded; closing the groups closes
+    ``outcomes``."""
+    queue: asyncio.Queue[Outcome | BaseException | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for outcome in outcomes:
+                queue.put_nowait(outcome)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(None)
+
+    task = asyncio.create_task(pump(), name="miserver-chunk-outcomes")
+    try:
+        ended = False
+        while not ended:
+            items = [await queue.get()]
+            while len(items) < limit and not queue.empty():
+                items.append(queue.get_nowait())
+            group = [x for x in items if isinstance(x, Outcome)]
+            ends = [x for x in items if not isinstance(x, Outcome)]
+            if group:
+                yield group
+            if ends:
+                ended = True
+                if isinstance(ends[0], BaseException):
+                    raise ends[0]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await outcomes.aclose()  # type: ignore[attr-defined]
+
+
 async def run_chunk(
     *,
     ctx: ServiceContext,
@@ -94,6 +150,7 @@ async def run_chunk(
     prices: dict[str, list[int]] | None = None,
     deadline: float | None = None,
     yield_to_interactive: bool = True,
+    read_ahead: bool = False,
 ) -> ChunkReport:
     """Run ``rows`` (claimed under ``token``) while holding ``slot`` (None: each row or pack takes the admission gate
     itself), recording each as it finishes. ``endpoint`` (the batch's) picks the error body's dialect.
@@ -101,9 +158,10 @@ async def run_chunk(
     ``time_limit`` is the chunk's time bound in seconds; ``stopping()`` answers true once the runner stops;
     ``deadline`` (Unix seconds, the batch's ``expires_at``) is when upstream rows stop being retried;
     ``yield_to_interactive`` false: the chunk does not end for interactive requests waiting at the resident gate
-    (upstream rows pass their pool's gate one by one, where interactive requests go first). Returns
-    a :class:`ChunkReport`; raises only for store faults (the rows then stay pending under the claim, which the
-    caller releases).
+    (upstream rows pass their pool's gate one by one, where interactive requests go first); ``read_ahead``: the
+    service's rows run concurrently (upstream pools), so outcomes that finish while a record runs are recorded
+    together in the next transaction (:func:`grouped`). Returns a :class:`ChunkReport`; raises only for store faults
+    (the rows then stay pending under the claim, which the caller releases).
 
     ``owner`` (the batch's key) pays for each successful row at ``prices`` (the batch's, fixed at its creation): the
     usage record is written in the transaction that records the row (:func:`~miserver.services.billing.row_usage`),
@@ -133,50 +191,72 @@ async def run_chunk(
     )
     bodies = [json.loads(r.body) for r in rows]
     outcomes = service.create_many(ctx, bodies, call, plan)
+    groups = grouped(outcomes) if read_ahead else one_by_one(outcomes)
     try:
-        async for outcome in outcomes:
-            row = rows[outcome.index]
-            ok, line, input_tokens, output_tokens = result_line(row.custom_id, outcome, endpoint)
-            async with store.tx() as conn:
-                recorded = await store_rows.record(
-                    conn,
-                    batch_id=batch_id,
-                    line=row.line,
-                    token=token,
-                    ok=ok,
-                    result=line,
-                    input_tokens=input_tokens,
-                    output_tokens=output_tokens,
-                )
-                status, paused = await store_batches.get_run_state(conn, batch_id)
-                usage = (
-                    billing.row_usage(
-                        owner=owner,
-                        prices=prices,
-                        endpoint=endpoint,
-                        batch_id=batch_id,
-                        line=row.line,
-                        model=outcome_model(outcome),
-                        input_tokens=input_tokens,
-                        output_tokens=output_tokens,
-                    )
-                    if recorded and ok
-                    else None
-                )
-                if usage is not None and await store_usage.record_usage(conn, usage) and usage.cost:
-                    balance = await store_usage.balance_of(conn, usage.key_id)
-                    report.out_of_balance = balance is not None and balance <= 0
-            if not recorded:
-                log.warning("batch %s line %d: claim lost, result dropped", batch_id, row.line)
-                report.claim_lost = True
+        async for group in groups:
+            await _record(store, report, group, rows, batch_id=batch_id, token=token, endpoint=endpoint,
+                          owner=owner, prices=prices)  # fmt: skip
+            if report.claim_lost:
                 break
-            report.recorded += 1
-            report.tokens += input_tokens + output_tokens
-            report.cancelled = status == "cancelling"
-            report.paused = paused
             on_change(batch_id)
     except EngineUnavailableError:
         report.engine_unavailable = True  # not the row's fault: it stays pending and runs when the model is back
     finally:
-        await outcomes.aclose()  # type: ignore[attr-defined]
+        await groups.aclose()  # type: ignore[attr-defined]
+        await outcomes.aclose()  # type: ignore[attr-defined]  # (when the groups never started)
     return report
+
+
+async def _record(
+    store: Store,
+    report: ChunkReport,
+    group: list[Outcome],
+    rows: Sequence[store_rows.ClaimedRow],
+    *,
+    batch_id: str,
+    token: str,
+    endpoint: str,
+    owner: str | None,
+    prices: dict[str, list[int]] | None,
+) -> None:
+    """Record ``group`` in one transaction (each row fenced by ``token``, each successful row's usage with it) and
+    fold what happened into ``report``: rows recorded, a cancel or pause seen, the owner's balance used up, a claim
+    lost (a row that could not be recorded: its result is dropped and the chunk ends)."""
+    results: list[store_rows.RowResult] = []
+    models: dict[int, str] = {}
+    for outcome in group:
+        row = rows[outcome.index]
+        ok, line, input_tokens, output_tokens = result_line(row.custom_id, outcome, endpoint)
+        results.append(store_rows.RowResult(row.line, ok, line, input_tokens, output_tokens))
+        models[row.line] = outcome_model(outcome)
+    async with store.tx() as conn:
+        recorded = await store_rows.record_many(conn, batch_id=batch_id, token=token, results=results)
+        charged = False
+        for r in results:
+            if not r.ok or r.line not in recorded.lines:
+                continue
+            usage = billing.row_usage(
+                owner=owner,
+                prices=prices,
+                endpoint=endpoint,
+                batch_id=batch_id,
+                line=r.line,
+                model=models[r.line],
+                input_tokens=r.input_tokens,
+                output_tokens=r.output_tokens,
+            )
+            if usage is not None and await store_usage.record_usage(conn, usage) and usage.cost:
+                charged = True
+        if charged and owner is not None:
+            balance = await store_usage.balance_of(conn, owner)
+            report.out_of_balance = balance is not None and balance <= 0
+    for r in results:
+        if r.line in recorded.lines:
+            report.recorded += 1
+            report.tokens += r.input_tokens + r.output_tokens
+    lost = [r.line for r in results if r.line not in recorded.lines]
+    if lost:
+        log.warning("batch %s lines %s: claim lost, results dropped", batch_id, lost)
+        report.claim_lost = True
+    report.cancelled = recorded.status == "cancelling"
+    report.paused = recorded.paused

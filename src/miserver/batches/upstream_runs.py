@@ -179,6 +179,7 @@ class UpstreamRuns:
                     yield_to_interactive=False,
                     owner=batch.owner_key_id,
                     prices=batch.prices,
+                    read_ahead=True,  # rows run concurrently: record what finished meanwhile together
                 )
             if report.engine_unavailable:
                 # the pool went down under the chunk: its rows wait a poll before they are claimed again (the next

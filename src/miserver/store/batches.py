@@ -139,13 +139,6 @@ async def get_status(conn: AsyncConnection, batch_id: str) -> str | None:
     return (await conn.execute(select(batches.c.status).where(batches.c.id == batch_id))).scalar()
 
 
-async def get_run_state(conn: AsyncConnection, batch_id: str) -> tuple[str | None, bool]:
-    """The batch's status and whether it is paused (the runner asks after each recorded row whether to stop at the
-    row boundary: a cancel or a pause); ``(None, False)`` if absent."""
-    row = (await conn.execute(select(batches.c.status, batches.c.paused_at).where(batches.c.id == batch_id))).first()
-    return (None, False) if row is None else (str(row.status), row.paused_at is not None)
-
-
 async def list_batches(
     conn: AsyncConnection, *, limit: int, after: str | None, owner: str | None = None
 ) -> tuple[list[BatchRecord], bool]:

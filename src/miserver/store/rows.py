@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .schema import TERMINAL_STATUSES, batch_rows, batches
@@ -168,50 +168,121 @@ async def release_all_claims(conn: AsyncConnection) -> None:
     )
 
 
-async def record(
-    conn: AsyncConnection,
-    *,
-    batch_id: str,
-    line: int,
-    token: str,
-    ok: bool,
-    result: str,
-    input_tokens: int,
-    output_tokens: int,
-) -> bool:
-    """Record a row's result line and bump the batch's counters, in the caller's transaction.
+@dataclass(frozen=True)
+class RowResult:
+    """One row's result to record: its ``line``, whether it succeeded (``ok``: an output line, else an error line),
+    the ``result`` line itself, and its tokens (0 and 0 for a failure: usage counts only rows that succeeded)."""
 
-    Returns False (and changes nothing) when the row is already recorded, the claim was taken over or fenced off by
-    a finish (:func:`fence_unrun`), or the batch is no longer running (``in_progress`` or ``cancelling``).
-    """
-    running = select(batches.c.id).where(batches.c.id == batch_id, batches.c.status.in_(RECORDING_STATUSES)).exists()
-    changed = await conn.execute(
-        update(batch_rows)
-        .where(
-            batch_rows.c.batch_id == batch_id,
-            batch_rows.c.line == line,
-            batch_rows.c.state == "pending",
-            batch_rows.c.claim_token == token,
-            running,
-        )
-        .values(
-            state="done",
-            outcome="ok" if ok else "error",
-            result=result,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            claimed_until=None,
-        )
+    line: int
+    ok: bool
+    result: str
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What :func:`record_many` did: the ``lines`` it recorded, and the batch's ``status`` and whether it is
+    ``paused``, read in the same statement as its counters (``status`` None: no such batch)."""
+
+    lines: frozenset[int]
+    status: str | None
+    paused: bool
+
+
+# Named statements of the record, built once (building a Core statement costs more than running it on SQLite).
+_RECORDING = (
+    select(batches.c.id)
+    .where(batches.c.id == bindparam("b_id"), batches.c.status.in_(RECORDING_STATUSES))
+    .exists()
+)
+#: One row pending -> done, only under the claim's token and while its batch is running.
+_RECORD_ROW = (
+    update(batch_rows)
+    .where(
+        batch_rows.c.batch_id == bindparam("b_id"),
+        batch_rows.c.line == bindparam("b_line"),
+        batch_rows.c.state == "pending",
+        batch_rows.c.claim_token == bindparam("b_token"),
+        _RECORDING,
     )
-    if changed.rowcount != 1:
-        return False
-    counter = batches.c.completed if ok else batches.c.failed
-    values: dict[str, Any] = {counter.name: counter + 1}
-    if ok:
-        values["input_tokens"] = batches.c.input_tokens + input_tokens
-        values["output_tokens"] = batches.c.output_tokens + output_tokens
-    await conn.execute(update(batches).where(batches.c.id == batch_id).values(**values))
-    return True
+    .values(
+        state="done",
+        outcome=bindparam("b_outcome"),
+        result=bindparam("b_result"),
+        input_tokens=bindparam("b_input_tokens"),
+        output_tokens=bindparam("b_output_tokens"),
+        claimed_until=None,
+    )
+)
+#: The batch's counters moved by the rows just recorded; returns what the runner asks after every record.
+_COUNT_ROWS = (
+    update(batches)
+    .where(batches.c.id == bindparam("b_id"))
+    .values(
+        completed=batches.c.completed + bindparam("b_completed"),
+        failed=batches.c.failed + bindparam("b_failed"),
+        input_tokens=batches.c.input_tokens + bindparam("b_input_tokens"),
+        output_tokens=batches.c.output_tokens + bindparam("b_output_tokens"),
+    )
+    .returning(batches.c.status, batches.c.paused_at)
+)
+_RUN_STATE = select(batches.c.status, batches.c.paused_at).where(batches.c.id == bindparam("b_id"))
+
+
+async def record_many(
+    conn: AsyncConnection, *, batch_id: str, token: str, results: Sequence[RowResult]
+) -> Recorded:
+    """Record each row's result line and bump the batch's counters once for them all, in the caller's transaction
+    (one statement per row, then one for the counters that also reads the batch's status and pause).
+
+    A row is recorded only while it is pending under ``token`` and its batch is running (``in_progress`` or
+    ``cancelling``): a row already recorded, one whose claim was taken over or fenced off by a finish
+    (:func:`fence_unrun`), or any row of a batch no longer running is left as it is and is not in
+    ``Recorded.lines``. The caller sees which rows it recorded, so it charges and counts only those.
+    """
+    lines: set[int] = set()
+    completed = failed = input_tokens = output_tokens = 0
+    for r in results:
+        changed = await conn.execute(
+            _RECORD_ROW,
+            {
+                "b_id": batch_id,
+                "b_line": r.line,
+                "b_token": token,
+                "b_outcome": "ok" if r.ok else "error",
+                "b_result": r.result,
+                "b_input_tokens": r.input_tokens,
+                "b_output_tokens": r.output_tokens,
+            },
+        )
+        if changed.rowcount != 1:
+            continue
+        lines.add(r.line)
+        if r.ok:
+            completed += 1
+            input_tokens += r.input_tokens
+            output_tokens += r.output_tokens
+        else:
+            failed += 1
+    if lines:
+        state = (
+            await conn.execute(
+                _COUNT_ROWS,
+                {
+                    "b_id": batch_id,
+                    "b_completed": completed,
+                    "b_failed": failed,
+                    "b_input_tokens": input_tokens,
+                    "b_output_tokens": output_tokens,
+                },
+            )
+        ).first()
+    else:
+        state = (await conn.execute(_RUN_STATE, {"b_id": batch_id})).first()
+    if state is None:
+        return Recorded(frozenset(lines), None, False)
+    return Recorded(frozenset(lines), str(state.status), state.paused_at is not None)
 
 
 async def fence_unrun(conn: AsyncConnection, batch_id: str) -> int:
