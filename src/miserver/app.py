@@ -7,13 +7,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.gzip import GZipMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api import accounts as accounts_api
@@ -79,6 +80,32 @@ class ServerErrors:
                 raise
             log.exception("unhandled error", exc_info=exc)
             await _error_response(ServerError(SERVER_ERROR_MESSAGE), scope.get("path", ""))(scope, receive, send)
+
+
+class RequestIds:
+    """ASGI middleware (outermost): every HTTP response carries ``x-request-id``, the caller's own or a new
+    ``req_...``, and the time to its start is observed as interactive latency (``/metrics``, inference routes only).
+    A plain ASGI wrapper: Starlette's ``BaseHTTPMiddleware`` costs a task and two memory streams per request."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = Headers(scope=scope).get("x-request-id") or random_id("req_")
+        path = scope.get("path", "")
+        started = time.perf_counter()
+
+        async def with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.observe(path, time.perf_counter() - started)
+                MutableHeaders(scope=message)["x-request-id"] = rid
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 class TrailingSlash:
@@ -160,15 +187,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.add_middleware(GZipMiddleware, minimum_size=1024)
     app.add_middleware(ConsoleRoot)  # /console (and /console/, after TrailingSlash) -> the console's job list
     app.add_middleware(TrailingSlash)
-
-    @app.middleware("http")
-    async def request_id(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        rid = request.headers.get("x-request-id") or random_id("req_")
-        started = time.perf_counter()
-        response: Response = await call_next(request)
-        metrics.observe(request.url.path, time.perf_counter() - started)  # interactive latency (/metrics)
-        response.headers["x-request-id"] = rid
-        return response
+    app.add_middleware(RequestIds, metrics=metrics)  # outermost: every response, errors too, has x-request-id
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -99,3 +99,37 @@ async def test_queue_use_counts_unfinished_batches(store: Store) -> None:
         assert (use.pending_batches, use.enqueued_tokens) == (2, 42)
         page, _ = await store_batches.list_batches(conn, limit=10, after=None, owner="key_b")
         assert page == []
+
+
+async def test_authentication_asks_the_database_once_per_request(store: Store) -> None:
+    """One statement per authenticated request: "any key?" while the process has seen none (a keyless server asks
+    nothing else), then only the presented key's digest (keys are never deleted, so once seen they stay). Before, every
+    request without a known key asked both."""
+    from sqlalchemy import event
+
+    from miserver.errors import AuthenticationError
+    from miserver.services import accounts
+
+    statements: list[str] = []
+
+    def count(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
+        statements.append(statement)
+
+    event.listen(store.engine.sync_engine, "before_cursor_execute", count)
+    try:
+        assert await accounts.principal_for(store, "sk-anything") is accounts.SYSTEM  # a keyless server is open
+        assert len(statements) == 1 and not store.keys_exist
+        record, key = await accounts.create_key(store, accounts.KeySpec.parse({"name": "a"}))
+        statements.clear()
+        with pytest.raises(AuthenticationError):
+            await accounts.principal_for(store, None)  # keys exist now (seen at once): no key is refused
+        assert store.keys_exist
+        statements.clear()
+        assert (await accounts.principal_for(store, key)).key_id == record.id
+        assert len(statements) == 1
+        statements.clear()
+        with pytest.raises(AuthenticationError):
+            await accounts.principal_for(store, "sk-wrong")
+        assert len(statements) == 1
+    finally:
+        event.remove(store.engine.sync_engine, "before_cursor_execute", count)

@@ -4,13 +4,15 @@ A batch whose model is served by an upstream pool (a multi-model file whose mode
 no resident slot, no lease and no residency: its rows pass the pool gates one by one (interactive first there).
 Each chunk holds the rows of one pool (claimed by the model the rows name, ``batch_rows.model``), so the pools of a
 batch run side by side, each at its own ``max_in_flight``. To keep a pool's ``max_in_flight`` requests really in
-flight, the runner keeps several chunks per pool of such a batch running as tasks (:func:`chunks_for`): while one
+flight, the runner keeps two chunks per pool of such a batch running as tasks (:data:`CHUNKS_PER_POOL`): while one
 chunk's last rows are in flight, the next chunk's rows already take the freed places (continuous feeding; the engine
-never idles while a chunk drains). Each chunk is the one row loop (:func:`~miserver.batches.chunks.run_chunk`) under
-its own claim, heartbeat and fencing token, so every row is recorded once. A pool with no live upstream leaves its
-rows pending (unclaimed) while the rows of live pools behind them run; the batch waits with ``waiting_reason:
-upstream_unavailable`` once no row of it can run; at ``expires_at`` no further attempt starts and the runner expires
-the batch once its chunks have ended (recorded rows stay, the rest become ``batch_expired``).
+never idles while a chunk drains). A chunk records what finished while its previous record ran in one transaction
+(``read_ahead``: group commit), so one chunk keeps up with a wide pool. Each chunk is the one row loop
+(:func:`~miserver.batches.chunks.run_chunk`) under its own claim, heartbeat and fencing token, so every row is
+recorded once. A pool with no live upstream leaves its rows pending (unclaimed) while the rows of live pools behind
+them run; the batch waits with ``waiting_reason: upstream_unavailable`` once no row of it can run; at ``expires_at``
+no further attempt starts and the runner expires the batch once its chunks have ended (recorded rows stay, the rest
+become ``batch_expired``).
 """
 
 from __future__ import annotations
@@ -33,19 +35,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("miserver.batches")
 
-#: Chunks of one upstream batch running at once in one process: one per this many slots of its pool's gate (at
-#: least 2, at most :data:`MAX_CHUNKS`). Each chunk records its rows one transaction after another, so on a loaded
-#: machine one chunk records about 20-50 rows/s; several chunks record side by side (measured: bench/gateway.py).
-SLOTS_PER_CHUNK = 2
-MAX_CHUNKS = 8
-#: A chunk claims this many rows per slot of its pool's gate (at least ``BATCH_CHUNK_ROWS``).
-ROWS_PER_SLOT = 2
+#: Chunks of one upstream batch per pool running at once in one process: one feeds the pool while the other's last
+#: rows are in flight. (Each records in groups, so more chunks would only make smaller groups.)
+CHUNKS_PER_POOL = 2
+#: A chunk claims this many rows per slot of its pool's gate (at least ``BATCH_CHUNK_ROWS``): each claim, its release
+#: and the runner's pass after it cost a few statements, shared by the chunk's rows.
+ROWS_PER_SLOT = 8
 UNAVAILABLE = "upstream_unavailable"
-
-
-def chunks_for(slots: int) -> int:
-    """Chunks of one batch kept running for a pool gate of ``slots`` slots."""
-    return min(MAX_CHUNKS, max(2, slots // SLOTS_PER_CHUNK))
 
 
 class UpstreamRuns:
@@ -98,7 +94,7 @@ class UpstreamRuns:
 
     async def advance(self, batch: BatchRecord) -> bool:
         """Start more chunks of ``batch``: for each model its rows name whose pool is live, one more chunk of that
-        pool's rows (claimed by model, lowest line first) while fewer than :func:`chunks_for` of that pool run, so
+        pool's rows (claimed by model, lowest line first) while fewer than :data:`CHUNKS_PER_POOL` of that pool run, so
         the rows of a pool that is down wait without holding back those of live pools behind them. Move the batch
         to ``finalizing`` when every row is recorded; mark it ``upstream_unavailable`` only when no row of it runs
         here and none can be claimed (every pending row is of a pool that is down). True when it started or
@@ -112,7 +108,7 @@ class UpstreamRuns:
             if pool is None or not pool.live or clock < self._not_before.get((batch.id, model), 0.0):
                 continue
             ready.append(model)
-            if sum(1 for m in self._tasks.get(batch.id, {}).values() if m == model) >= chunks_for(pool.gate.slots):
+            if sum(1 for m in self._tasks.get(batch.id, {}).values() if m == model) >= CHUNKS_PER_POOL:
                 continue
             limit = max(runner.settings.batch_chunk_rows, ROWS_PER_SLOT * pool.gate.slots)
             started |= await self._start(batch, model, limit)

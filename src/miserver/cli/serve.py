@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +162,21 @@ def worker(
             await runtime.close()
 
     try:
-        asyncio.run(run())
+        run_loop(run())
     except DatabaseInUseError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop's event loop (the server's, through uvicorn, too), or asyncio's where it is missing."""
+    try:
+        import uvloop
+    except ImportError:  # not installed on this platform
+        import asyncio
+
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 def _check_exposure(settings: Settings) -> None:

@@ -313,9 +313,11 @@ async def principal_for(store: Store, key: str | None) -> Principal:
     exist, and for an unknown or revoked key. On a server without keys every caller is :data:`SYSTEM`, whatever
     it presents (clients such as the OpenAI SDK always send some key)."""
     async with store.read() as conn:
+        if not store.keys_exist:  # one query a request: "any key?" until one is seen, then the key itself
+            if not await store_keys.any_key(conn):
+                return SYSTEM
+            store.keys_exist = True
         record = await store_keys.find_by_digest(conn, digest(key)) if key is not None else None
-        if record is None and not await store_keys.any_key(conn):
-            return SYSTEM
     if key is None:
         raise AuthenticationError(
             "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...' (or 'x-api-key' on the "

@@ -28,6 +28,9 @@ class Store:
         self.engine = engine
         self.is_sqlite = db.is_sqlite(url)
         self._lock = lock
+        #: Set once this process has seen an API key in the database. Keys are never deleted (a revoked key stays),
+        #: so it never goes back to False and authentication need not ask again (``services.accounts``).
+        self.keys_exist = False
 
     @classmethod
     async def open(cls, url: str, *, migrate: bool = True, lock: bool = False) -> Store:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy import bindparam, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from . import outbox
@@ -129,8 +129,14 @@ async def insert_batch(
     return record
 
 
+# Named statements of the reads that every poll, runner pass and retrieve make, built once.
+_GET_BATCH = select(batches).where(batches.c.id == bindparam("b_id"))
+_ACTIVE_BATCHES = select(batches).where(batches.c.status.not_in(TERMINAL_STATUSES)).order_by(batches.c.id)
+
+
 async def get_batch(conn: AsyncConnection, batch_id: str) -> BatchRecord | None:
-    row = (await conn.execute(select(batches).where(batches.c.id == batch_id))).first()
+    """The batch ``batch_id``; None when there is none."""
+    row = (await conn.execute(_GET_BATCH, {"b_id": batch_id})).first()
     return BatchRecord.from_row(row) if row else None
 
 
@@ -187,8 +193,7 @@ async def search_batches(
 
 async def active_batches(conn: AsyncConnection) -> list[BatchRecord]:
     """Non-terminal batches in creation order."""
-    q = select(batches).where(batches.c.status.not_in(TERMINAL_STATUSES)).order_by(batches.c.id)
-    return [BatchRecord.from_row(r) for r in (await conn.execute(q)).all()]
+    return [BatchRecord.from_row(r) for r in (await conn.execute(_ACTIVE_BATCHES)).all()]
 
 
 class StaleStatus(Exception):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .schema import TERMINAL_STATUSES, api_keys, batches, key_credits, usage_records
@@ -85,21 +85,28 @@ async def insert_key(
     return record
 
 
+# Named statements of authentication (every request runs one) and of the runner's key checks, built once.
+_BY_ID = select(*_COLUMNS).where(api_keys.c.id == bindparam("b_id"))
+_BY_DIGEST = select(*_COLUMNS).where(api_keys.c.digest == bindparam("b_digest"))
+_ANY_KEY = select(api_keys.c.id).limit(1)
+
+
 async def get_key(conn: AsyncConnection, key_id: str) -> KeyRecord | None:
     """The key with id ``key_id`` (revoked or not); None when there is none."""
-    row = (await conn.execute(select(*_COLUMNS).where(api_keys.c.id == key_id))).first()
+    row = (await conn.execute(_BY_ID, {"b_id": key_id})).first()
     return KeyRecord.from_row(row) if row else None
 
 
 async def find_by_digest(conn: AsyncConnection, digest: str) -> KeyRecord | None:
     """The key whose SHA-256 hex digest is ``digest`` (revoked or not); None when there is none."""
-    row = (await conn.execute(select(*_COLUMNS).where(api_keys.c.digest == digest))).first()
+    row = (await conn.execute(_BY_DIGEST, {"b_digest": digest})).first()
     return KeyRecord.from_row(row) if row else None
 
 
 async def any_key(conn: AsyncConnection) -> bool:
-    """Whether the database holds at least one key (revoked ones count: once made, the server stays closed)."""
-    return (await conn.execute(select(api_keys.c.id).limit(1))).first() is not None
+    """Whether the database holds at least one key. Keys are never deleted (a revoked key stays, and keeps the server
+    closed), so once this is true it stays true."""
+    return (await conn.execute(_ANY_KEY)).first() is not None
 
 
 async def list_keys(conn: AsyncConnection) -> list[KeyRecord]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -38,9 +38,18 @@ class ResultRow:
     result: str
 
 
+# Named statements of the scheduler's pass (every runner step), built once.
+_RATES = select(throughput)
+_PENDING_BY_BATCH = (
+    select(batch_rows.c.batch_id, func.count())
+    .where(batch_rows.c.batch_id.in_(bindparam("b_ids", expanding=True)), batch_rows.c.state == "pending")
+    .group_by(batch_rows.c.batch_id)
+)
+
+
 async def rates(conn: AsyncConnection) -> dict[tuple[str, str], Rate]:
     """Every measured rate, by ``(model, endpoint)``."""
-    rows = (await conn.execute(select(throughput))).all()
+    rows = (await conn.execute(_RATES)).all()
     return {(r.model, r.endpoint): Rate(**dict(r._mapping)) for r in rows}
 
 
@@ -82,12 +91,7 @@ async def pending_by_batch(conn: AsyncConnection, batch_ids: list[str]) -> dict[
     """Pending rows of each batch in ``batch_ids`` (0 for one with none)."""
     if not batch_ids:
         return {}
-    q = (
-        select(batch_rows.c.batch_id, func.count())
-        .where(batch_rows.c.batch_id.in_(batch_ids), batch_rows.c.state == "pending")
-        .group_by(batch_rows.c.batch_id)
-    )
-    found = {str(b): int(n) for b, n in (await conn.execute(q)).all()}
+    found = {str(b): int(n) for b, n in (await conn.execute(_PENDING_BY_BATCH, {"b_ids": batch_ids})).all()}
     return {b: found.get(b, 0) for b in batch_ids}
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import bindparam, delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..ids import ordered_id
@@ -171,21 +171,24 @@ async def enqueue_progress(
     return len(values)
 
 
+# The delivery loop's poll (every BATCH_POLL_SECONDS in every process), built once.
+_DUE = (
+    select(webhook_outbox.c.id)
+    .where(webhook_outbox.c.state == "pending", webhook_outbox.c.next_attempt_at <= bindparam("b_now"))
+    .order_by(webhook_outbox.c.next_attempt_at, webhook_outbox.c.id)
+    .limit(bindparam("b_limit"))
+)
+_DUE_LOCKED = _DUE.with_for_update(skip_locked=True)
+
+
 async def claim_due(
     conn: AsyncConnection, *, worker: str, now_ms: int, claim_ms: int, limit: int, skip_locked: bool
 ) -> list[Delivery]:
     """Take up to ``limit`` pending rows due at ``now_ms``: their ``next_attempt_at`` moves to ``now_ms + claim_ms``
     in this statement's transaction (another process does not take them meanwhile; if this one dies, they are due
     again then). Returns them with their endpoint's URL and secret, oldest first."""
-    due = (
-        select(webhook_outbox.c.id)
-        .where(webhook_outbox.c.state == "pending", webhook_outbox.c.next_attempt_at <= now_ms)
-        .order_by(webhook_outbox.c.next_attempt_at, webhook_outbox.c.id)
-        .limit(limit)
-    )
-    if skip_locked:
-        due = due.with_for_update(skip_locked=True)
-    ids = [r[0] for r in (await conn.execute(due)).all()]
+    due = _DUE_LOCKED if skip_locked else _DUE
+    ids = [r[0] for r in (await conn.execute(due, {"b_now": now_ms, "b_limit": limit})).all()]
     if not ids:
         return []
     await conn.execute(

@@ -9,6 +9,7 @@ worker whose claim was taken over cannot record. On PostgreSQL the claim is one 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,37 @@ async def delete_rows(conn: AsyncConnection, batch_id: str, *, worker: str) -> i
     return int(result.rowcount or 0)
 
 
+@functools.cache
+def _claim_statement(by_model: bool, skip_locked: bool) -> Any:
+    """The claim's one statement (built once per form): pending rows, unclaimed or past their claim's deadline,
+    lowest line first, of an ``in_progress`` batch; ``by_model`` keeps the rows naming one of ``b_models``."""
+    inner = (
+        select(batch_rows.c.line)
+        .where(
+            batch_rows.c.batch_id == bindparam("b_id"),
+            batch_rows.c.state == "pending",
+            (batch_rows.c.claimed_until.is_(None)) | (batch_rows.c.claimed_until < bindparam("b_now")),
+        )
+        .order_by(batch_rows.c.line)
+        .limit(bindparam("b_limit"))
+    )
+    if by_model:
+        inner = inner.where(batch_rows.c.model.in_(bindparam("b_models", expanding=True)))
+    if skip_locked:
+        inner = inner.with_for_update(skip_locked=True)
+    # A CTE is evaluated once (PostgreSQL materialises a locking CTE); an ``IN (subquery)`` may be re-run per row,
+    # and with SKIP LOCKED each run would pick further rows past the LIMIT.
+    picked = inner.cte("picked")
+    running = select(batches.c.id).where(batches.c.id == bindparam("b_id"), batches.c.status == "in_progress")
+    return (
+        update(batch_rows)
+        .where(batch_rows.c.batch_id == bindparam("b_id"), batch_rows.c.line == picked.c.line)
+        .where(running.exists())
+        .values(claim_token=bindparam("b_token"), claimed_by=bindparam("b_worker"), claimed_until=bindparam("b_until"))
+        .returning(batch_rows.c.line, batch_rows.c.custom_id, batch_rows.c.body)
+    )
+
+
 async def claim(
     conn: AsyncConnection,
     *,
@@ -103,50 +135,39 @@ async def claim(
     is down wait without holding back the rows of live pools behind them; None claims rows of any model. Returns the
     rows claimed (ordered by line) with the token now on them.
     """
-    inner = (
-        select(batch_rows.c.line)
-        .where(
-            batch_rows.c.batch_id == batch_id,
-            batch_rows.c.state == "pending",
-            (batch_rows.c.claimed_until.is_(None)) | (batch_rows.c.claimed_until < now_ms),
-        )
-        .order_by(batch_rows.c.line)
-        .limit(limit)
-    )
+    params: dict[str, Any] = {
+        "b_id": batch_id,
+        "b_now": now_ms,
+        "b_limit": limit,
+        "b_token": token,
+        "b_worker": worker,
+        "b_until": now_ms + ttl_ms,
+    }
     if models is not None:
-        inner = inner.where(batch_rows.c.model.in_(list(models)))
-    if skip_locked:
-        inner = inner.with_for_update(skip_locked=True)
-    # A CTE is evaluated once (PostgreSQL materialises a locking CTE); an ``IN (subquery)`` may be re-run per row,
-    # and with SKIP LOCKED each run would pick further rows past the LIMIT.
-    picked = inner.cte("picked")
-    stmt = (
-        update(batch_rows)
-        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.line == picked.c.line)
-        .where(select(batches.c.id).where(batches.c.id == batch_id, batches.c.status == "in_progress").exists())
-        .values(claim_token=token, claimed_by=worker, claimed_until=now_ms + ttl_ms)
-        .returning(batch_rows.c.line, batch_rows.c.custom_id, batch_rows.c.body)
-    )
-    rows = (await conn.execute(stmt)).all()
+        params["b_models"] = list(models)
+    rows = (await conn.execute(_claim_statement(models is not None, skip_locked), params)).all()
     return sorted((ClaimedRow(r.line, r.custom_id, r.body) for r in rows), key=lambda r: r.line)
+
+
+_HELD = (batch_rows.c.batch_id == bindparam("b_id"), batch_rows.c.claim_token == bindparam("b_token"))
+_EXTEND_CLAIM = (
+    update(batch_rows).where(*_HELD, batch_rows.c.state == "pending").values(claimed_until=bindparam("b_until"))
+)
+_RELEASE_CLAIM = (
+    update(batch_rows)
+    .where(*_HELD, batch_rows.c.state == "pending")
+    .values(claim_token=None, claimed_by=None, claimed_until=None)
+)
 
 
 async def extend_claim(conn: AsyncConnection, *, batch_id: str, token: str, until_ms: int) -> None:
     """Heartbeat: push the deadline of the rows still held under ``token``."""
-    await conn.execute(
-        update(batch_rows)
-        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.claim_token == token, batch_rows.c.state == "pending")
-        .values(claimed_until=until_ms)
-    )
+    await conn.execute(_EXTEND_CLAIM, {"b_id": batch_id, "b_token": token, "b_until": until_ms})
 
 
 async def release_claim(conn: AsyncConnection, *, batch_id: str, token: str) -> None:
     """Give back the unrecorded rows of a claim (stop, cancel) so that they can be claimed at once."""
-    await conn.execute(
-        update(batch_rows)
-        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.claim_token == token, batch_rows.c.state == "pending")
-        .values(claim_token=None, claimed_by=None, claimed_until=None)
-    )
+    await conn.execute(_RELEASE_CLAIM, {"b_id": batch_id, "b_token": token})
 
 
 async def release_claims_of(conn: AsyncConnection, worker: str) -> None:
@@ -299,16 +320,21 @@ async def fence_unrun(conn: AsyncConnection, batch_id: str) -> int:
     return int(result.rowcount or 0)
 
 
+_PENDING = (
+    select(func.count())
+    .select_from(batch_rows)
+    .where(batch_rows.c.batch_id == bindparam("b_id"), batch_rows.c.state == "pending")
+)
+_PENDING_OF_MODELS = _PENDING.where(batch_rows.c.model.in_(bindparam("b_models", expanding=True)))
+
+
 async def count_pending(conn: AsyncConnection, batch_id: str, *, models: Sequence[str] | None = None) -> int:
     """Rows of the batch not yet recorded (claimed or not); with ``models``, only those naming one of them."""
-    q = (
-        select(func.count())
-        .select_from(batch_rows)
-        .where(batch_rows.c.batch_id == batch_id, batch_rows.c.state == "pending")
-    )
-    if models is not None:
-        q = q.where(batch_rows.c.model.in_(list(models)))
-    return int((await conn.execute(q)).scalar() or 0)
+    if models is None:
+        value = (await conn.execute(_PENDING, {"b_id": batch_id})).scalar()
+    else:
+        value = (await conn.execute(_PENDING_OF_MODELS, {"b_id": batch_id, "b_models": list(models)})).scalar()
+    return int(value or 0)
 
 
 async def row_models(conn: AsyncConnection, batch_id: str) -> list[str]:
