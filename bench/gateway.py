@@ -5,6 +5,13 @@
    upstream by a client keeping N requests in flight and (B) as one batch through the gateway, in ABBA order in one
    run; rows/s of each phase (B: from ``batches.create`` returning to the poll that sees ``completed``, so upload
    aside it includes validation, every claim and record, and the output file) and the ratio B/A (goal >= 0.95).
+   Each phase also gives the CPU milliseconds per row of the gateway, the upstream and this client (from
+   ``/proc/<pid>/stat``). The upstream's resident model runs on ``--upstream-threads`` torch threads (default 1,
+   ``MISERVER_TORCH_THREADS``): with torch's default (one spinning thread per core) the upstream alone keeps both of
+   a 2-core machine's cores busy, and the ratio then measures how two processes share two cores; with one thread the
+   upstream stands for an engine on its own hardware, the deployment a gateway is for. The batch is watched with a
+   poll that comes faster as the batch nears its end (``--poll`` seconds at the end, at most 1 s before), so the
+   finish is seen within about ``--poll`` without a poll every ``--poll`` seconds costing the gateway CPU.
 2. **Failover.** Two upstreams serving the same model, one killed with SIGKILL once a tenth of the batch is recorded:
    rows lost (never recorded), rows recorded twice (a custom_id seen twice in the output), time to finish.
 3. **Fleet use.** An upstream that sleeps ``--delay`` seconds per request (``tests/support/fake_upstream.py``, a real
@@ -13,11 +20,16 @@
    and against a direct client at the same concurrency (the durable queue must not serialise what the engine runs
    in parallel).
 
+4. **Ceiling.** An upstream that answers at once (the same small server, no delay) behind a gateway with
+   ``max_in_flight`` ``--ceiling-width``: the rows/s one gateway process sustains and its CPU milliseconds per row,
+   twice. Here the gateway is the bottleneck, so this is the number its own cost per row decides.
+
 Prints a table and writes ``bench/results/gateway.json``.
 
 Examples::
 
-    .venv/bin/python bench/gateway.py                      # all three, 200 rows, N = 4
+    .venv/bin/python bench/gateway.py                      # all four, 200 rows, N = 4
+    .venv/bin/python bench/gateway.py --only overhead --upstream-threads 0   # torch's default threads upstream
     .venv/bin/python bench/gateway.py --only fleet --delay 0.2
 """
 
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -63,7 +76,8 @@ def run_batch(
     client: openai.OpenAI, rows: list[dict[str, Any]], poll: float = 0.1, trace: list[tuple[float, int]] | None = None
 ) -> tuple[float, Any]:
     """Seconds from create to ``completed`` (upload before the clock starts) and the final batch; ``trace`` collects
-    ``(seconds, rows recorded)`` at every poll."""
+    ``(seconds, rows recorded)`` at every poll, each ``poll`` seconds. Untraced, the poll comes faster as the batch
+    nears its end: a quarter of the time left at the rate so far, between ``poll`` and 1 s."""
     data = "".join(
         json.dumps({"custom_id": f"r{i:05d}", "method": "POST", "url": "/v1/chat/completions", "body": b}) + "\n"
         for i, b in enumerate(rows)
@@ -71,12 +85,24 @@ def run_batch(
     uploaded = client.files.create(file=("rows.jsonl", data), purpose="batch")
     started = time.monotonic()
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait = poll
     while batch.status not in TERMINAL:
-        time.sleep(poll)
+        time.sleep(wait)
         batch = client.batches.retrieve(batch.id)
-        if trace is not None and batch.request_counts is not None:
-            trace.append((time.monotonic() - started, batch.request_counts.completed + batch.request_counts.failed))
+        elapsed = time.monotonic() - started
+        counts = batch.request_counts
+        done = counts.completed + counts.failed if counts is not None else 0
+        if trace is not None:
+            trace.append((elapsed, done))
+        left = len(rows) - done
+        wait = poll if done == 0 or trace is not None else min(1.0, max(poll, left * elapsed / done / 4))
     return time.monotonic() - started, batch
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far (every thread), from ``/proc/<pid>/stat``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def steady_rate(trace: list[tuple[float, int]], rows: int) -> float:
@@ -106,9 +132,10 @@ def run_direct(base_url: str, rows: list[dict[str, Any]], concurrency: int) -> f
     return seconds
 
 
-def upstream(model_dir: str, root: Path, name: str) -> ServerProcess:
+def upstream(model_dir: str, root: Path, name: str, threads: int = 0) -> ServerProcess:
+    env = {"MISERVER_TORCH_THREADS": str(threads)} if threads else None
     return ServerProcess(model=model_dir, served_model_name=MODEL, data_dir=root / name,
-                         database_url=f"sqlite:///{root / name}.db")  # fmt: skip
+                         database_url=f"sqlite:///{root / name}.db", env=env)  # fmt: skip
 
 
 def gateway(root: Path, name: str, entries: list[str]) -> ServerProcess:
@@ -117,24 +144,33 @@ def gateway(root: Path, name: str, entries: list[str]) -> ServerProcess:
     return ServerProcess(data_dir=root / name, database_url=f"sqlite:///{root / name}.db", env=env)
 
 
-def overhead(model_dir: str, root: Path, rows: int, n: int, max_tokens: int) -> dict[str, Any]:
+def overhead(
+    model_dir: str, root: Path, rows: int, n: int, max_tokens: int, threads: int, poll: float
+) -> dict[str, Any]:
     work = bodies(rows, MODEL, max_tokens)
-    with upstream(model_dir, root, "up-overhead") as up, gateway(root, "gw-overhead", [f"u={up.base_url};max_in_flight={n}"]) as gw:  # noqa: E501
+    with upstream(model_dir, root, "up-overhead", threads) as up, gateway(root, "gw-overhead", [f"u={up.base_url};max_in_flight={n}"]) as gw:  # noqa: E501
         client = gw.client(timeout=600)
         run_direct(up.base_url, work[:8], n)  # untimed warm-up of both paths
         run_batch(client, work[:8])
+        pids = {"gateway": gw.proc.pid, "upstream": up.proc.pid}
         phases = []
         for kind in ("direct", "gateway", "gateway", "direct"):
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"client": time.process_time()}
             if kind == "direct":
                 seconds = run_direct(up.base_url, work, n)
             else:
-                seconds, batch = run_batch(client, work)
+                seconds, batch = run_batch(client, work, poll)
                 assert batch.status == "completed" and batch.request_counts.completed == rows, batch
-            phases.append({"phase": kind, "seconds": round(seconds, 2), "rows_per_second": round(rows / seconds, 2)})
-            print(f"  {kind:8s} {seconds:7.2f} s  {rows / seconds:7.2f} rows/s", flush=True)
+            after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"client": time.process_time()}
+            cpu = {f"{name}_cpu_ms_per_row": round(1000 * (after[name] - before[name]) / rows, 1) for name in after}
+            phases.append({"phase": kind, "seconds": round(seconds, 2), "rows_per_second": round(rows / seconds, 2),
+                           **cpu})  # fmt: skip
+            print(f"  {kind:8s} {seconds:7.2f} s  {rows / seconds:7.2f} rows/s   CPU ms/row: gateway "
+                  f"{cpu['gateway_cpu_ms_per_row']:5.1f}, upstream {cpu['upstream_cpu_ms_per_row']:5.1f}, client "
+                  f"{cpu['client_cpu_ms_per_row']:4.1f}", flush=True)  # fmt: skip
     mean = {k: sum(p["rows_per_second"] for p in phases if p["phase"] == k) / 2 for k in ("direct", "gateway")}
-    return {"rows": rows, "max_in_flight": n, "max_tokens": max_tokens, "phases": phases,
-            "ratio": round(mean["gateway"] / mean["direct"], 3)}  # fmt: skip
+    return {"rows": rows, "max_in_flight": n, "max_tokens": max_tokens, "upstream_torch_threads": threads or "default",
+            "poll_seconds": poll, "phases": phases, "ratio": round(mean["gateway"] / mean["direct"], 3)}  # fmt: skip
 
 
 def failover(model_dir: str, root: Path, rows: int, n: int, max_tokens: int) -> dict[str, Any]:
@@ -198,6 +234,24 @@ def fleet(root: Path, delay: float, seconds_each: float) -> list[dict[str, Any]]
     return results
 
 
+def ceiling(root: Path, rows: int, width: int) -> list[dict[str, Any]]:
+    results = []
+    with FakeUpstream(model="fast", delay=0) as fast, gateway(root, "gw-ceiling", [f"f={fast.base_url};max_in_flight={width}"]) as gw:  # noqa: E501
+        client = gw.client(timeout=600)
+        run_batch(client, bodies(20, "fast", 1))  # untimed warm-up
+        for attempt in (1, 2):
+            before = cpu_seconds(gw.proc.pid)
+            seconds, batch = run_batch(client, bodies(rows, "fast", 1))
+            assert batch.status == "completed" and batch.request_counts.completed == rows, batch
+            cpu = 1000 * (cpu_seconds(gw.proc.pid) - before) / rows
+            results.append({"run": attempt, "rows": rows, "max_in_flight": width, "seconds": round(seconds, 2),
+                            "rows_per_second": round(rows / seconds, 1),
+                            "gateway_cpu_ms_per_row": round(cpu, 2)})  # fmt: skip
+            print(f"  run {attempt}: {rows} rows in {seconds:6.2f} s = {rows / seconds:6.1f} rows/s; gateway CPU "
+                  f"{cpu:5.2f} ms/row", flush=True)  # fmt: skip
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200)
@@ -206,9 +260,14 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="upstream model (default: the tiny test model, built here)")
     parser.add_argument("--delay", type=float, default=0.2, help="the slow upstream's seconds per request")
     parser.add_argument("--fleet-seconds", type=float, default=6.0, help="about how long each fleet batch runs")
-    parser.add_argument("--only", choices=("overhead", "failover", "fleet"), action="append")
+    parser.add_argument("--upstream-threads", type=int, default=1,
+                        help="torch threads of the overhead upstream's model (0: torch's default, one per core)")
+    parser.add_argument("--poll", type=float, default=0.1, help="fastest poll of a batch, seconds (near its end)")
+    parser.add_argument("--ceiling-rows", type=int, default=1000)
+    parser.add_argument("--ceiling-width", type=int, default=16, help="max_in_flight of the ceiling run")
+    parser.add_argument("--only", choices=("overhead", "failover", "fleet", "ceiling"), action="append")
     args = parser.parse_args()
-    only = set(args.only or ("overhead", "failover", "fleet"))
+    only = set(args.only or ("overhead", "failover", "fleet", "ceiling"))
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                               "machine": platform.platform(), "command": " ".join(sys.argv)}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="miserver-bench-gateway-") as tmp:
@@ -216,8 +275,11 @@ def main() -> None:
         model_dir = args.model or str(build_tiny_model(root / "tiny"))
         report["model"] = args.model or "tiny (2 layers, 64 wide, SmolLM2 tokenizer)"
         if "overhead" in only:
-            print(f"overhead: {args.rows} rows, N = {args.n}, ABBA", flush=True)
-            report["overhead"] = overhead(model_dir, root, args.rows, args.n, args.max_tokens)
+            threads = args.upstream_threads or "torch's default"
+            print(f"overhead: {args.rows} rows, N = {args.n}, ABBA, upstream torch threads: {threads}", flush=True)
+            report["overhead"] = overhead(
+                model_dir, root, args.rows, args.n, args.max_tokens, args.upstream_threads, args.poll
+            )
             print(f"  gateway / direct = {report['overhead']['ratio']}", flush=True)
         if "failover" in only:
             print("failover: two upstreams, one killed with SIGKILL at 10%", flush=True)
@@ -225,6 +287,9 @@ def main() -> None:
         if "fleet" in only:
             print(f"fleet use: an upstream sleeping {args.delay} s per request", flush=True)
             report["fleet"] = fleet(root, args.delay, args.fleet_seconds)
+        if "ceiling" in only:
+            print(f"ceiling: an upstream that answers at once, max_in_flight {args.ceiling_width}", flush=True)
+            report["ceiling"] = ceiling(root, args.ceiling_rows, args.ceiling_width)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")

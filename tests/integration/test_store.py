@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from sqlalchemy.exc import IntegrityError
@@ -242,3 +243,25 @@ async def test_list_files_pages_without_gaps(store: Store) -> None:
             break
         after = page[-1].id
     assert seen == [f"file-{i:02d}" for i in reversed(range(7))]
+
+
+async def test_a_sqlite_connection_given_back_inside_a_transaction_is_rolled_back(tmp_path: Path) -> None:
+    """The SQLite pool rolls back only a connection still in a transaction (it skips the rollback after a commit):
+    a write SQLAlchemy did not see must not stay open in the pool, holding the write lock and an old snapshot."""
+    store = await Store.open(f"sqlite:///{tmp_path / 'reset.db'}")
+    try:
+        await make_batch(store, 1)
+        async with store.engine.connect() as conn:
+
+            def write_unseen(sync_conn: object) -> None:
+                cursor = sync_conn.connection.dbapi_connection.cursor()  # type: ignore[attr-defined]
+                cursor.execute("UPDATE batches SET total = 7 WHERE id = 'batch_1'")  # begins a transaction
+
+            await conn.run_sync(write_unseen)
+        async with store.tx() as conn:  # the write lock is free again (busy for 30 s otherwise)
+            await sb.set_fields(conn, "batch_1", ("in_progress",), waiting_reason="queued")
+        async with store.read() as conn:
+            b = await sb.get_batch(conn, "batch_1")
+        assert b is not None and (b.total, b.waiting_reason) == (1, "queued")
+    finally:
+        await store.close()

@@ -52,9 +52,9 @@ async def settle() -> None:
 
 async def test_outcomes_that_finish_while_the_recorder_is_busy_come_as_one_group() -> None:
     source = Source(6)
-    groups = grouped(source.outcomes())
+    groups = grouped(source.outcomes(), window=0)
     source.release(1)
-    assert [o.index for o in await anext(groups)] == [0]  # a lone outcome is yielded at once
+    assert [o.index for o in await anext(groups)] == [0]  # without a window a lone outcome is yielded at once
     source.release(3)  # three rows finish while the first group is being recorded
     await settle()
     assert [o.index for o in await anext(groups)] == [1, 2, 3]
@@ -64,10 +64,32 @@ async def test_outcomes_that_finish_while_the_recorder_is_busy_come_as_one_group
     assert source.closed
 
 
+async def test_a_group_waits_its_window_for_more_outcomes() -> None:
+    source = Source(5)
+    groups = grouped(source.outcomes(), limit=3, window=3600)
+    source.release(1)
+    first = asyncio.ensure_future(anext(groups))
+    await settle()
+    assert not first.done()  # the group is open: more rows are in flight
+    source.release(2)  # two more finish within the window: the group is full
+    assert [o.index for o in await asyncio.wait_for(first, 10)] == [0, 1, 2]
+    source.release(2)  # the chunk's last rows: the group closes when the outcomes end, not at the window's end
+    assert [o.index for o in await asyncio.wait_for(anext(groups), 10)] == [3, 4]
+    await groups.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_group_closes_at_the_end_of_its_window() -> None:
+    source = Source(3)
+    groups = grouped(source.outcomes(), window=0.01)
+    source.release(1)
+    assert [o.index for o in await asyncio.wait_for(anext(groups), 10)] == [0]  # nothing more came in time
+    await groups.aclose()  # type: ignore[attr-defined]
+
+
 async def test_a_group_holds_at_most_its_limit() -> None:
     source = Source(5)
     source.release(5)
-    sizes = [len(g) async for g in grouped(source.outcomes(), limit=2)]
+    sizes = [len(g) async for g in grouped(source.outcomes(), limit=2, window=0)]
     assert sizes == [2, 2, 1]
 
 
@@ -76,7 +98,7 @@ async def test_an_error_of_the_source_comes_after_what_finished_before_it() -> N
     source.release(5)
     seen: list[int] = []
     with pytest.raises(EngineUnavailableError):
-        async for group in grouped(source.outcomes()):
+        async for group in grouped(source.outcomes(), window=0):
             seen += [o.index for o in group]
     assert seen == [0, 1, 2]
     assert source.closed
@@ -85,7 +107,7 @@ async def test_an_error_of_the_source_comes_after_what_finished_before_it() -> N
 async def test_closing_early_stops_reading_and_closes_the_source() -> None:
     source = Source(10)
     source.release(1)
-    groups = grouped(source.outcomes())
+    groups = grouped(source.outcomes(), window=0)
     assert len(await anext(groups)) == 1
     await groups.aclose()  # type: ignore[attr-defined]
     source.release(9)

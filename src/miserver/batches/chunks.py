@@ -7,7 +7,7 @@ Every batch row, packed or not, whatever the endpoint, passes through :func:`run
 2. each :class:`~miserver.services.many.Outcome` becomes an output or error line (:mod:`miserver.batches.output`)
    and is recorded fenced by the claim token (a taken-over claim cannot record), with its usage, in one
    transaction. A chunk whose rows run concurrently (``read_ahead``: upstream pools) records together the outcomes
-   that finished while the previous transaction ran (group commit, :func:`grouped`); otherwise each outcome is
+   that finish within a short window of each other (group commit, :func:`grouped`); otherwise each outcome is
    recorded before the next row starts;
 3. the rules that end a chunk early live once, in the ``should_stop`` the service asks before each row or pack:
    the runner is stopping, or a cancel or a pause arrived (read in the transaction of every record); and, once at
@@ -47,6 +47,11 @@ log = logging.getLogger("miserver.batches")
 
 #: Most outcomes recorded in one transaction by a read-ahead chunk (keeps each transaction short).
 MAX_GROUP = 64
+#: How long a read-ahead chunk's group stays open for more outcomes after its first (seconds). A record's transaction
+#: costs about 2 ms of CPU on these machines whatever it holds (each statement is a round trip to the SQLite
+#: thread), so at 4-16 rows in flight a quarter of a second lets several rows share one; rows are recorded at most
+#: this much later, and a chunk's last rows are not held back (bench/gateway.py measures the effect).
+GROUP_WINDOW_SECONDS = 0.25
 
 
 @dataclass
@@ -92,12 +97,16 @@ async def one_by_one(outcomes: AsyncIterator[Outcome]) -> AsyncIterator[list[Out
         await outcomes.aclose()  # type: ignore[attr-defined]
 
 
-async def grouped(outcomes: AsyncIterator[Outcome], limit: int = MAX_GROUP) -> AsyncIterator[list[Outcome]]:
-    """The outcomes in groups of at most ``limit``: each group is every outcome that finished while the caller was
-    busy with the previous group, so the busier the recorder, the more rows one transaction records (group commit),
-    and a lone outcome is yielded at once. The outcomes are read by a task of their own meanwhile. An exception of
-    ``outcomes`` is raised after every outcome that came before it was yielded; closing the groups closes
-    ``outcomes``."""
+async def grouped(
+    outcomes: AsyncIterator[Outcome], limit: int = MAX_GROUP, window: float = GROUP_WINDOW_SECONDS
+) -> AsyncIterator[list[Outcome]]:
+    """The outcomes in groups of at most ``limit``, each recorded in one transaction by the caller (group commit).
+
+    A group starts with the next outcome to finish and takes every further outcome that finishes within ``window``
+    seconds of it (or had already finished, while the caller was busy with the previous group); it closes early once
+    it holds ``limit`` outcomes or ``outcomes`` has ended, so the last rows of a chunk are not held back. The outcomes
+    are read by a task of their own meanwhile. An exception of ``outcomes`` is raised after every outcome that came
+    before it was yielded; closing the groups closes ``outcomes``."""
     queue: asyncio.Queue[Outcome | BaseException | None] = asyncio.Queue()
 
     async def pump() -> None:
@@ -109,21 +118,38 @@ async def grouped(outcomes: AsyncIterator[Outcome], limit: int = MAX_GROUP) -> A
         else:
             queue.put_nowait(None)
 
+    loop = asyncio.get_running_loop()
     task = asyncio.create_task(pump(), name="miserver-chunk-outcomes")
     try:
+        end: BaseException | None = None
         ended = False
         while not ended:
-            items = [await queue.get()]
-            while len(items) < limit and not queue.empty():
-                items.append(queue.get_nowait())
-            group = [x for x in items if isinstance(x, Outcome)]
-            ends = [x for x in items if not isinstance(x, Outcome)]
+            group: list[Outcome] = []
+            item = await queue.get()
+            closes = loop.time() + window
+            while True:
+                if isinstance(item, Outcome):
+                    group.append(item)
+                else:
+                    ended, end = True, item
+                    break
+                if len(group) >= limit:
+                    break
+                if queue.empty():
+                    left = closes - loop.time()
+                    if left <= 0:
+                        break
+                    try:
+                        async with asyncio.timeout(left):
+                            item = await queue.get()
+                    except TimeoutError:
+                        break
+                else:
+                    item = queue.get_nowait()
             if group:
                 yield group
-            if ends:
-                ended = True
-                if isinstance(ends[0], BaseException):
-                    raise ends[0]
+        if end is not None:
+            raise end
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -159,8 +185,8 @@ async def run_chunk(
     ``deadline`` (Unix seconds, the batch's ``expires_at``) is when upstream rows stop being retried;
     ``yield_to_interactive`` false: the chunk does not end for interactive requests waiting at the resident gate
     (upstream rows pass their pool's gate one by one, where interactive requests go first); ``read_ahead``: the
-    service's rows run concurrently (upstream pools), so outcomes that finish while a record runs are recorded
-    together in the next transaction (:func:`grouped`). Returns a :class:`ChunkReport`; raises only for store faults
+    service's rows run concurrently (upstream pools), so outcomes that finish close together are recorded in one
+    transaction (:func:`grouped`). Returns a :class:`ChunkReport`; raises only for store faults
     (the rows then stay pending under the claim, which the caller releases).
 
     ``owner`` (the batch's key) pays for each successful row at ``prices`` (the batch's, fixed at its creation): the

@@ -17,7 +17,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
@@ -54,6 +54,15 @@ def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -
     cur.close()
 
 
+def _sqlite_reset(dbapi_conn: DBAPIConnection, record: ConnectionPoolEntry, state: PoolResetState) -> None:
+    """The pool's reset of a SQLite connection given back (SQLAlchemy's custom reset scheme, with
+    ``pool_reset_on_return=None``): roll back only a transaction that is still open. SQLAlchemy's default rolls back
+    every time, also right after a commit, and each rollback is a round trip to the connection's thread."""
+    driver = record.driver_connection  # the aiosqlite connection: in_transaction reads sqlite3's flag, no round trip
+    if state.asyncio_safe and not state.transaction_was_reset and (driver is None or driver.in_transaction):
+        dbapi_conn.rollback()
+
+
 def create_engine(url: str) -> AsyncEngine:
     """An async engine for ``url``; SQLite gets WAL, foreign keys and a 30 s busy timeout on every connection."""
     aurl = async_url(url)
@@ -61,8 +70,9 @@ def create_engine(url: str) -> AsyncEngine:
         path = make_url(aurl).database
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(aurl, connect_args={"timeout": 30})
+        engine = create_async_engine(aurl, connect_args={"timeout": 30}, pool_reset_on_return=None)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "reset", _sqlite_reset)
         return engine
     return create_async_engine(aurl, pool_size=10, max_overflow=10, pool_pre_ping=True)
 
