@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..errors import InvalidRequestError
 from ..services.common import decode_json
 from ..services.context import ServiceContext, ServiceResult, StreamResult
 from ..services.residency import Residency
@@ -51,9 +52,25 @@ async def json_body(request: Request) -> Any:
     return decode_json(await request.body())
 
 
+#: The values of ``X-miLLM-Strict`` that miServer understands (compared case-insensitively), and what each means.
+STRICT_VALUES: dict[str, bool] = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def strict_mode(request: Request) -> bool:
-    """``X-miLLM-Strict: true`` turns unknown fields into 400 ``unknown_parameter``."""
-    return request.headers.get("x-millm-strict", "").strip().lower() in {"1", "true", "yes"}
+    """``X-miLLM-Strict: true`` turns unknown fields into 400 ``unknown_parameter``.
+
+    The header takes ``true``/``false``, ``1``/``0`` or ``yes``/``no`` in any case; absent or empty, the request is
+    not strict. Any other value is 400 ``invalid_value`` (param ``X-miLLM-Strict``), never read as "not strict".
+    """
+    value = request.headers.get("x-millm-strict", "").strip().lower()
+    if not value:
+        return False
+    if value not in STRICT_VALUES:
+        raise InvalidRequestError(
+            "Invalid 'X-miLLM-Strict' header: use true or false (1/0 and yes/no are accepted too).",
+            param="X-miLLM-Strict",
+        )
+    return STRICT_VALUES[value]
 
 
 def list_object(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:

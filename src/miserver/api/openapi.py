@@ -77,7 +77,11 @@ CHANGE_ERRORS: tuple[int, ...] = (400, 404, 409, 500)
 
 #: The request headers a route may read, documented as header parameters.
 HEADERS: dict[str, tuple[str, str]] = {
-    "strict": ("X-miLLM-Strict", "`true` refuses unknown fields with 400 `unknown_parameter` (default: ignored)."),
+    "strict": (
+        "X-miLLM-Strict",
+        "`true` refuses unknown fields with 400 `unknown_parameter` (default: ignored). `true`/`false`, `1`/`0` or "
+        "`yes`/`no` in any case; any other value is 400 `invalid_value`.",
+    ),
     "lease": ("X-miLLM-Lease", "A live model lease: the request runs under it (needed while a holder has one)."),
     "idempotency": ("Idempotency-Key", "A retry under the same key gets the first answer again."),
 }
