@@ -84,3 +84,30 @@ async def test_the_strict_spellings_it_accepts(
         assert answer.json()["error"]["param"] == "frobnicate"
     else:
         assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("value", ["maybe", "lease_", "lease_" + "0" * 23, "LEASE_" + "a" * 24, "x" * 200])
+async def test_a_lease_header_that_is_no_lease_token_is_400_on_every_route(
+    app_client: tuple[Any, httpx.AsyncClient], value: str
+) -> None:
+    """Not run as if it were a lease (an inference answer would name it as the lease it ran under, a batch would keep
+    it) nor as if it were absent; a long one used to be a 500 on PostgreSQL (the column holds 128 characters)."""
+    app, client = app_client
+    routes = routes_reading(app, "lease")
+    assert len(routes) >= 15  # inference, batches, model load/unload, weights, checkpoints, handing a lease
+    for method, path in routes:
+        answer = await client.request(method, path, json={}, headers={"X-miLLM-Lease": value})
+        assert_refused(answer, path, "X-miLLM-Lease")
+        assert value not in answer.text  # a lease token is not echoed
+
+
+async def test_a_live_lease_and_an_empty_header_are_accepted(app_client: tuple[Any, httpx.AsyncClient]) -> None:
+    _, client = app_client
+    taken = await client.post("/api/lease", json={"holder": "alice", "ttl_seconds": 60})
+    lease = taken.json()["lease"]
+    for headers in ({"X-miLLM-Lease": lease}, {"X-miLLM-Lease": ""}, {}):  # the token POST /api/lease handed out
+        answer = await client.post("/api/models/unload", headers=headers)
+        if headers.get("X-miLLM-Lease"):
+            assert answer.json()["error"]["code"] == "model_not_resident", answer.text  # past the lease check
+        else:
+            assert answer.json()["error"]["code"] == "lease_held", answer.text  # empty: as if absent

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import InvalidRequestError
+from ..leases import is_token
 from ..services.common import decode_json
 from ..services.context import ServiceContext, ServiceResult, StreamResult
 from ..services.residency import Residency
@@ -71,6 +72,24 @@ def strict_mode(request: Request) -> bool:
             param="X-miLLM-Strict",
         )
     return STRICT_VALUES[value]
+
+
+def lease_header(request: Request) -> str | None:
+    """The lease token sent in ``X-miLLM-Lease``; None when the header is absent or empty.
+
+    A value that is not a lease token (``lease_`` and 24 hex digits, as ``POST /api/lease`` hands out) is 400
+    ``invalid_value`` (param ``X-miLLM-Lease``), never run as if it were a lease. Whether the lease is live is for
+    the route to decide. The value is not echoed: a lease token lets its holder renew and release the lease.
+    """
+    value = request.headers.get("x-millm-lease", "").strip()
+    if not value:
+        return None
+    if not is_token(value):
+        raise InvalidRequestError(
+            "Invalid 'X-miLLM-Lease' header: not a lease token (send the 'lease' that POST /api/lease answered).",
+            param="X-miLLM-Lease",
+        )
+    return value
 
 
 def list_object(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
