@@ -14,8 +14,29 @@ import click
 from ..settings import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+#: The variable the client commands read their API key from (the one the OpenAI SDK reads).
+API_KEY_ENV = "OPENAI_API_KEY"
+#: Sent when no key is set, because the OpenAI SDK refuses to send a request without one: a server without keys
+#: accepts any key, and a server with keys refuses it (then :func:`error_line` says that no key was set).
+NO_KEY_PLACEHOLDER = "no-key-set"
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def api_key() -> str | None:
+    """The API key of the client commands, from ``OPENAI_API_KEY``; None when it is unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def error_line(status: int, code: str | None, message: str) -> str:
+    """The one-line message of an error answer: ``<status> <code>: <message>``. A 401 while no key is set says
+    that none was set and how to set one, instead of the server's word on the placeholder it was sent."""
+    if status == 401 and api_key() is None:
+        message = (
+            f"no API key was set, and this server needs one: set {API_KEY_ENV} "
+            f"(export {API_KEY_ENV}=sk-...; an admin makes keys with `miserver keys create`)"
+        )
+    return f"{status} {code}: {message}" if code else f"{status}: {message}"
 
 
 def client_errors(command: Callable[P, R]) -> Callable[P, R]:
@@ -31,8 +52,7 @@ def client_errors(command: Callable[P, R]) -> Callable[P, R]:
             error = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else {}
             message = error.get("message") if isinstance(error, dict) else None
             code = error.get("code") if isinstance(error, dict) else None
-            text = f"{exc.status_code} {code or ''}: {message or exc.message}".replace(" :", ":")
-            raise click.ClickException(text) from None
+            raise click.ClickException(error_line(exc.status_code, code, message or exc.message)) from None
         except openai.APIConnectionError:
             url = kwargs.get("url", DEFAULT_URL)
             raise click.ClickException(
@@ -52,8 +72,7 @@ def _client(url: str) -> Any:
     from openai import OpenAI
 
     # a server with API keys needs one: OPENAI_API_KEY, as the OpenAI SDK reads it (any value on a server without)
-    api_key = os.environ.get("OPENAI_API_KEY") or "miserver"
-    client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=2)
+    client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key() or NO_KEY_PLACEHOLDER, max_retries=2)
     # closed with the command's context, on success and on error alike, so no connection outlives the command
     # (in-process callers, such as tests with click's CliRunner, would otherwise leak its sockets)
     ctx = click.get_current_context(silent=True)

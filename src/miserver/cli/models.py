@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .base import DEFAULT_URL, _client, client_errors, main
+from .base import DEFAULT_URL, _client, api_key, client_errors, error_line, main
 
 
 @main.group(invoke_without_command=True)
@@ -46,8 +46,10 @@ def models_add(ctx: click.Context, model_id: str, source: str, aliases: tuple[st
 
     base = (url or ctx.obj or DEFAULT_URL).rstrip("/")
     body = {"id": model_id, "source": source, "aliases": list(aliases)}
+    key = api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        answer = httpx.post(base + "/api/models", json=body, timeout=60.0)
+        answer = httpx.post(base + "/api/models", json=body, headers=headers, timeout=60.0)
     except httpx.HTTPError:
         raise click.ClickException(
             f"cannot reach a server at {base} (is `miserver serve` running? see --url)"
@@ -58,7 +60,6 @@ def models_add(ctx: click.Context, model_id: str, source: str, aliases: tuple[st
             if answer.headers.get("content-type", "").startswith("application/json")
             else {}
         )
-        raise click.ClickException(
-            f"{answer.status_code} {error.get('code') or ''}: {error.get('message') or answer.text}"
-        )
+        message = error.get("message") or answer.text
+        raise click.ClickException(error_line(answer.status_code, error.get("code"), message))
     click.echo(json.dumps(answer.json()))
