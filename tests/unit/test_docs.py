@@ -82,3 +82,16 @@ def test_every_cli_command_help_has_an_example(path: tuple[str, ...]) -> None:
     assert "Example:" in result.output, f"`miserver {' '.join(path)} --help` shows no example"
     example = result.output.split("Example:", 1)[1]
     assert f"miserver {' '.join(path)}" in example, f"the example of `miserver {' '.join(path)}` does not run it"
+
+
+@pytest.mark.parametrize("path", [path for path, _ in _commands(main)], ids=" ".join)
+def test_every_cli_option_help_names_the_environment_variable_it_reads(path: tuple[str, ...]) -> None:
+    """``--url`` reads ``MISERVER_URL``, ``--database-url`` ``MISERVER_DATABASE_URL``, ...: ``--help`` says so."""
+    command = dict(_commands(main))[path]
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.output.split())
+    for param in command.params:
+        envvar = getattr(param, "envvar", None)
+        if isinstance(envvar, str):
+            assert f"env var: {envvar}" in shown, f"`miserver {' '.join(path)} --help` does not name {envvar}"

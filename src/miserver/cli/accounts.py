@@ -9,9 +9,15 @@ import click
 from .base import _on_store, main
 
 _db_url = click.option(
-    "--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL (the server's)."
+    "--database-url",
+    envvar="MISERVER_DATABASE_URL",
+    show_envvar=True,
+    default=None,
+    help="SQLite or PostgreSQL URL (the server's).",
 )
-_db_dir = click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+_db_dir = click.option(
+    "--data-dir", envvar="MISERVER_DATA_DIR", show_envvar=True, default="./var", show_default=True, type=click.Path()
+)
 
 
 def _money(value: int | None) -> str:

@@ -23,6 +23,12 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+#: The ``--url`` option of every client command (``MISERVER_URL`` when not given).
+url_option = click.option(
+    "--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True, show_envvar=True, help="Server base URL."
+)
+
+
 def api_key() -> str | None:
     """The API key of the client commands, from ``OPENAI_API_KEY``; None when it is unset or empty."""
     return os.environ.get(API_KEY_ENV) or None

@@ -6,11 +6,11 @@ import json
 
 import click
 
-from .base import DEFAULT_URL, _client, api_key, client_errors, error_line, main
+from .base import DEFAULT_URL, _client, api_key, client_errors, error_line, main, url_option
 
 
 @main.group(invoke_without_command=True)
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True, help="Server base URL.")
+@url_option
 @click.pass_context
 @client_errors
 def models(ctx: click.Context, url: str) -> None:
@@ -31,7 +31,9 @@ def models(ctx: click.Context, url: str) -> None:
 @click.argument("model_id")
 @click.argument("source")
 @click.option("--alias", "aliases", multiple=True, help="A name that resolves to MODEL_ID (any case); repeatable.")
-@click.option("--url", envvar="MISERVER_URL", default=None, help="Server base URL (default: the group's --url).")
+@click.option(
+    "--url", envvar="MISERVER_URL", default=None, show_envvar=True, help="Server base URL (default: the group's --url)."
+)
 @click.pass_context
 def models_add(ctx: click.Context, model_id: str, source: str, aliases: tuple[str, ...], url: str | None) -> None:
     """Add a model the server may load: SOURCE is a transformers folder, a .gguf file or the embedded id.
