@@ -147,3 +147,18 @@ def test_no_key_set_works_on_a_server_without_keys(
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     result = CliRunner().invoke(main, ["models", "--url", sqlite_module_server.base_url])
     assert result.exit_code == 0 and result.stdout.strip() == "tiny", result.output
+
+
+def test_download_counts_its_lines_in_the_right_number(sqlite_module_server: ServerProcess, tmp_path: Path) -> None:
+    source = tmp_path / "three.jsonl"
+    rows = [line("good-1", chat_body("hi")), line("good-2", chat_body("yo")), line("bad", chat_body("hi", foo=1))]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    url = ["--url", sqlite_module_server.base_url]
+    ran = CliRunner().invoke(main, ["batch", "run", str(source), *url])
+    assert ran.exit_code == 0, ran.output
+    batch_id = ran.stdout.split(":", 1)[0]
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    got = CliRunner().invoke(main, ["batch", "download", batch_id, "-o", str(out), "-e", str(err), *url])
+    assert got.exit_code == 0, got.output
+    assert f"output: 2 lines written to {out}" in got.stdout
+    assert f"error lines: 1 line written to {err}" in got.stdout

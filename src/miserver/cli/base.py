@@ -29,6 +29,11 @@ url_option = click.option(
 )
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 line``, ``0 lines``, ``2 lines``: a count with its noun in the right number."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def api_key() -> str | None:
     """The API key of the client commands, from ``OPENAI_API_KEY``; None when it is unset or empty."""
     return os.environ.get(API_KEY_ENV) or None

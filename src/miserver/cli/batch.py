@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ..protocol.batches import TERMINAL
-from .base import _client, client_errors, main, url_option
+from .base import _client, client_errors, main, plural, url_option
 
 
 @main.group()
@@ -259,4 +259,4 @@ def batch_download(batch_id: str, output: str | None, errors: str | None, url: s
             continue
         data = client.files.content(file_id).content if file_id else b""
         Path(target).write_bytes(data)
-        click.echo(f"{what}: {len(data.splitlines())} lines written to {target}")
+        click.echo(f"{what}: {plural(len(data.splitlines()), 'line')} written to {target}")
