@@ -4,8 +4,10 @@ commands on a SQLite database."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +20,9 @@ from miserver.protocol.accounts import TopUpRequest
 from miserver.protocol.common import parse_request
 from miserver.services import accounts, billing
 from miserver.services.billing import PriceFileError, PriceTable
+from miserver.store import Store
 from miserver.store.keys import KeyRecord
+from miserver.store.usage import Usage, record_usage
 
 
 def _key(balance: int | None = 100, revoked_at: int | None = None) -> KeyRecord:
@@ -163,6 +167,36 @@ def test_keys_and_usage_commands_on_the_database(tmp_path: Path) -> None:
     assert again.exit_code == 1 and "already revoked" in again.output
     usage = runner.invoke(main, ["usage", "--group-by", "model", *db])
     assert usage.exit_code == 0 and usage.output.split()[:2] == ["model", "requests"]
+
+
+def test_usage_and_keys_tables_never_cut_a_value(tmp_path: Path) -> None:
+    """The columns widen to the longest value: a model id of 45 characters and a key name of 30 are shown whole."""
+    runner = CliRunner()
+    db = ["--data-dir", str(tmp_path)]
+    name = "nightly-evaluation-suite-team-b"
+    made = runner.invoke(main, ["keys", "create", "--name", name, *db])
+    assert made.exit_code == 0, made.output
+    listed = runner.invoke(main, ["keys", "list", *db])
+    assert listed.exit_code == 0 and name in listed.stdout.split(), listed.output
+    key_id = next(w for w in listed.output.split() if w.startswith("key_"))
+
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1"
+    usage = Usage(key_id, model, "realtime", "/v1/chat/completions", 12, 3, 0, int(time.time()), request_id="req_1")
+
+    async def record() -> None:
+        store = await Store.open(f"sqlite:///{tmp_path / 'miserver.db'}")
+        try:
+            async with store.tx() as conn:
+                assert await record_usage(conn, usage)
+        finally:
+            await store.close()
+
+    asyncio.run(record())
+    shown = runner.invoke(main, ["usage", "--group-by", "model", *db])
+    assert shown.exit_code == 0, shown.output
+    header, row = shown.stdout.splitlines()
+    assert row.split() == [model, "1", "12", "3", "0.000000"]
+    assert header.index("requests") + len("requests") == row.index(" 1 ") + 2  # numbers aligned right under it
 
 
 def test_serve_refuses_a_public_address_without_keys(tmp_path: Path) -> None:

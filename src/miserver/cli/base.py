@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -32,6 +32,19 @@ url_option = click.option(
 def plural(count: int, noun: str) -> str:
     """``1 line``, ``0 lines``, ``2 lines``: a count with its noun in the right number."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]], right: Collection[int] = ()) -> list[str]:
+    """The lines of a text table: every column as wide as its longest cell (the header's included), so no value is
+    ever cut; the columns numbered in ``right`` (numbers) are aligned right, the others left."""
+    cells = [list(header), *(list(row) for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        padded = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        return " ".join(padded).rstrip()
+
+    return [line(row) for row in cells]
 
 
 def api_key() -> str | None:
