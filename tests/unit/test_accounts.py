@@ -7,19 +7,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from click.testing import CliRunner
+from fastapi import routing
+from starlette.routing import Mount
 
+from miserver.app import create_app
 from miserver.cli import main
 from miserver.errors import InvalidRequestError
 from miserver.protocol.accounts import TopUpRequest
 from miserver.protocol.common import parse_request
 from miserver.services import accounts, billing
 from miserver.services.billing import PriceFileError, PriceTable
+from miserver.settings import Settings
 from miserver.store import Store
 from miserver.store.keys import KeyRecord
 from miserver.store.usage import Usage, record_usage
@@ -197,6 +203,38 @@ def test_usage_and_keys_tables_never_cut_a_value(tmp_path: Path) -> None:
     header, row = shown.stdout.splitlines()
     assert row.split() == [model, "1", "12", "3", "0.000000"]
     assert header.index("requests") + len("requests") == row.index(" 1 ") + 2  # numbers aligned right under it
+
+
+async def test_with_a_key_only_the_open_routes_answer_without_one(tmp_path: Path) -> None:
+    """Once a key exists, every route of the application is 401 without one, except ``OPEN_ROUTES`` (the health
+    probe, ``/openapi.json`` and ``/docs``) and the files ``/docs`` loads, which a browser fetches with no key."""
+    settings = Settings(no_model=True, data_dir=tmp_path / "var", database_url=f"sqlite:///{tmp_path / 'db'}")
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await accounts.create_key(app.state.miserver.store, accounts.KeySpec.parse({"name": "a", "admin": True}))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://miserver") as client:
+            answered: dict[tuple[str, str], int] = {}
+            for context in routing.iter_route_contexts(app.routes):
+                route = context.original_route
+                if isinstance(route, Mount):
+                    continue  # the console: its own sign-in (tests/e2e/test_console.py)
+                path = getattr(context, "path_format", None) or getattr(route, "path", "")
+                for method in sorted(getattr(context, "methods", None) or getattr(route, "methods", None) or ()):
+                    if method == "HEAD":
+                        continue
+                    url = re.sub(r"\{[^}]+\}", "x", path)
+                    answered[(method, path)] = (await client.request(method, url)).status_code
+            page = await client.get("/docs")
+            assets = re.findall(r"(?:src|href)=['\"](/docs/[^'\"]+)['\"]", page.text)
+            loaded = {a: (await client.get(a)).status_code for a in assets}
+    assert len(answered) >= 40
+    opened = {route for route, status in answered.items() if status != 401}
+    files = {(m, p) for m, p in answered if m == "GET" and p.startswith("/docs/static/")}
+    assert opened == {("GET", "/api/health"), ("GET", "/openapi.json"), ("GET", "/docs"), *files}, opened
+    assert opened == {route for route in answered if accounts.is_open(*route)}
+    assert {answered[route] for route in opened} == {200}, answered
+    assert len(loaded) == 3 and set(loaded.values()) == {200}, loaded  # the Swagger UI script, style and icon
 
 
 def test_serve_refuses_a_public_address_without_keys(tmp_path: Path) -> None:

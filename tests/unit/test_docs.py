@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from pydantic import AliasChoices
 
 from miserver.cli import main
+from miserver.services import accounts
 from miserver.settings import Settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -95,3 +96,13 @@ def test_every_cli_option_help_names_the_environment_variable_it_reads(path: tup
         envvar = getattr(param, "envvar", None)
         if isinstance(envvar, str):
             assert f"env var: {envvar}" in shown, f"`miserver {' '.join(path)} --help` does not name {envvar}"
+
+
+def test_the_readme_lists_exactly_the_routes_open_without_a_key() -> None:
+    """The Accounts section's "Open without a key:" sentence names each of ``OPEN_ROUTES`` and ``OPEN_PREFIXES``, and
+    nothing else."""
+    text = " ".join(README.read_text().split("## Accounts", 1)[1].split())
+    sentence = text.split("Open without a key: ", 1)[1].split(", since ", 1)[0]
+    listed = set(re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`]*)`", sentence))
+    assert listed == set(accounts.OPEN_ROUTES), sentence
+    assert all(f"`{prefix}`" in sentence for prefix in accounts.OPEN_PREFIXES), sentence

@@ -36,7 +36,7 @@ from pydantic.json_schema import models_json_schema
 
 from ..errors import ANTHROPIC_PREFIX
 from ..protocol.errors import AnthropicErrorResponse, ErrorResponse
-from ..services.accounts import BILLED_ROUTES, OPEN_ROUTES, require_admin
+from ..services.accounts import BILLED_ROUTES, is_open, require_admin
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -208,7 +208,7 @@ def _models(routes: list[tuple[str, Documentation]]) -> list[tuple[type[BaseMode
 def _auth_errors(method: str, path: str, admin: bool) -> tuple[int, ...]:
     """What authentication adds to a route's errors (``services/accounts.authenticate``): 401 on every route but the
     open ones, 402 on the inference routes, 403 on the admin-only ones (``require_admin``)."""
-    if (method.upper(), path) in OPEN_ROUTES:
+    if is_open(method, path):
         return ()
     billed = (402,) if method.upper() == "POST" and path in BILLED_ROUTES else ()
     return (401, *billed, *((403,) if admin else ()))
