@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import click
 import pytest
@@ -11,7 +13,7 @@ from click.testing import CliRunner
 from pydantic import AliasChoices
 
 from miserver.cli import main
-from miserver.services import accounts
+from miserver.services import accounts, billing
 from miserver.settings import Settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -106,3 +108,30 @@ def test_the_readme_lists_exactly_the_routes_open_without_a_key() -> None:
     listed = set(re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`]*)`", sentence))
     assert listed == set(accounts.OPEN_ROUTES), sentence
     assert all(f"`{prefix}`" in sentence for prefix in accounts.OPEN_PREFIXES), sentence
+
+
+def _paragraph(starting: str) -> str:
+    text = README.read_text()
+    return " ".join(text[text.index(starting) :].split("\n\n", 1)[0].split())
+
+
+async def test_the_readme_says_that_usage_is_recorded_per_key_only() -> None:
+    """What the README says about usage on a server without keys is what billing does: no record without a key."""
+    usage = _paragraph("**Usage records.**")
+    assert "Usage is recorded per key only: a server with no keys records none" in usage
+    assert "everything costs 0 (each key's usage is still recorded, at cost 0)" in _paragraph("`input` and `output`")
+    row = {"prices": None, "endpoint": "/v1/chat/completions", "batch_id": "batch_1", "line": 1, "model": "m"}
+    assert billing.row_usage(owner=None, input_tokens=3, output_tokens=2, **row) is None
+    assert billing.row_usage(owner="key_1", input_tokens=3, output_tokens=2, **row) is not None
+    store: Any = None  # not reached: a caller without a key writes nothing
+    chat = ("/v1/chat/completions", "m", 3, 2, "req_1")
+    assert await billing.record_realtime(store, billing.PriceTable(), accounts.SYSTEM, *chat) is False
+
+
+def test_the_readme_says_how_the_anthropic_routes_read_x_api_key() -> None:
+    """``x-api-key`` is the API key on the /anthropic routes (not a header ignored by a server "with no keys")."""
+    anthropic = _paragraph("`POST /anthropic/v1/messages` serves")
+    assert "this server has no keys" not in anthropic
+    assert "`x-api-key` is read as the API key, like `Authorization: Bearer`" in anthropic
+    request = SimpleNamespace(headers={"x-api-key": "sk-abc"}, url=SimpleNamespace(path="/anthropic/v1/messages"))
+    assert accounts.presented_key(request) == "sk-abc"  # type: ignore[arg-type]
