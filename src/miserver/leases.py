@@ -7,6 +7,7 @@ one (holder ``millm-batch:<id>``) or runs under the lease its caller handed it.
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from .errors import ConflictError, InvalidRequestError, NotFoundError
 
 BATCH_HOLDER_PREFIX = "millm-batch:"
+#: The form of every lease token :meth:`LeaseManager.acquire` hands out (``lease_`` and 24 hex digits).
+TOKEN_FORM = re.compile(r"lease_[0-9a-f]{24}")
 MIN_TTL_SECONDS = 1
 MAX_TTL_SECONDS = 86_400
 
@@ -35,6 +38,16 @@ class Lease:
             "ttl_seconds": self.ttl_seconds,
             "expires_at": int(self.expires_at),
         }
+
+
+def new_token() -> str:
+    """A fresh lease token, of the form :data:`TOKEN_FORM`."""
+    return "lease_" + secrets.token_hex(12)
+
+
+def is_token(value: str) -> bool:
+    """Whether ``value`` has the form of a lease token (:data:`TOKEN_FORM`); whether it is live is another matter."""
+    return TOKEN_FORM.fullmatch(value) is not None
 
 
 def check_ttl(ttl: float) -> float:
@@ -73,7 +86,7 @@ class LeaseManager:
                 param="holder",
                 code="lease_held",
             )
-        token = live.lease if live is not None else "lease_" + secrets.token_hex(12)
+        token = live.lease if live is not None else new_token()
         self._lease = Lease(token, holder, ttl, self._clock() + ttl)
         return self._lease
 

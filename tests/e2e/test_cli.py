@@ -9,8 +9,10 @@ from __future__ import annotations
 import gc
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from miserver.cli import main
@@ -92,3 +94,71 @@ def test_a_command_closes_its_connections_on_success_and_on_error(sqlite_module_
         assert CliRunner().invoke(main, ["batch", "cancel", "batch_nope", *url]).exit_code == 1
         gc.collect()
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, str]]:
+    """A server with no model whose database holds one admin key (made with ``miserver keys create`` first), and
+    that key."""
+    root = tmp_path_factory.mktemp("keyed")
+    db = ["--database-url", f"sqlite:///{root / 'miserver.db'}", "--data-dir", str(root / "var")]
+    made = CliRunner().invoke(main, ["keys", "create", "--name", "admin", "--admin", *db])
+    assert made.exit_code == 0, made.output
+    key = made.stdout.strip()
+    server = ServerProcess(
+        data_dir=root / "var", database_url=f"sqlite:///{root / 'miserver.db'}", env={"MISERVER_NO_MODEL": "1"}
+    )
+    with server:
+        yield server, key
+
+
+@pytest.mark.parametrize("command", [["batch", "list"], ["models"], ["models", "add", "m", "/nowhere"]])
+def test_no_key_set_says_so_and_how_to_set_it(
+    keyed_server: tuple[ServerProcess, str], monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """Without OPENAI_API_KEY on a server with keys, the error is that no key was set (not that a key was wrong);
+    with a wrong key it is the server's word; with the key the command gets past authentication."""
+    server, key = keyed_server
+    url = ["--url", server.base_url]
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    unset = CliRunner().invoke(main, [*command, *url])
+    assert unset.exit_code == 1
+    assert unset.stderr.startswith("Error: 401 invalid_api_key: no API key was set"), unset.stderr
+    assert "OPENAI_API_KEY" in unset.stderr and "incorrect" not in unset.stderr
+    assert len(unset.stderr.strip().splitlines()) == 1
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-" + "x" * 43)
+    wrong = CliRunner().invoke(main, [*command, *url])
+    assert wrong.exit_code == 1 and "401 invalid_api_key: The API key provided (sk-xxxxxxxx...) is incorrect" in (
+        wrong.stderr
+    ), wrong.stderr
+
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    right = CliRunner().invoke(main, [*command, *url])
+    if command[-1] == "/nowhere":  # past authentication: the server looked at the source
+        assert right.exit_code == 1 and "400 invalid_value: Invalid 'source'" in right.stderr, right.stderr
+    else:
+        assert right.exit_code == 0, right.output
+
+
+def test_no_key_set_works_on_a_server_without_keys(
+    sqlite_module_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    result = CliRunner().invoke(main, ["models", "--url", sqlite_module_server.base_url])
+    assert result.exit_code == 0 and result.stdout.strip() == "tiny", result.output
+
+
+def test_download_counts_its_lines_in_the_right_number(sqlite_module_server: ServerProcess, tmp_path: Path) -> None:
+    source = tmp_path / "three.jsonl"
+    rows = [line("good-1", chat_body("hi")), line("good-2", chat_body("yo")), line("bad", chat_body("hi", foo=1))]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    url = ["--url", sqlite_module_server.base_url]
+    ran = CliRunner().invoke(main, ["batch", "run", str(source), *url])
+    assert ran.exit_code == 0, ran.output
+    batch_id = ran.stdout.split(":", 1)[0]
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    got = CliRunner().invoke(main, ["batch", "download", batch_id, "-o", str(out), "-e", str(err), *url])
+    assert got.exit_code == 0, got.output
+    assert f"output: 2 lines written to {out}" in got.stdout
+    assert f"error lines: 1 line written to {err}" in got.stdout

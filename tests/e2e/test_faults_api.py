@@ -257,3 +257,50 @@ def test_two_file_parts_are_refused_naming_file(http: httpx.Client) -> None:
     assert r.status_code == 400 and (error(r)["param"], error(r)["code"]) == ("file", "invalid_value")
     assert "more than one 'file'" in error(r)["message"]
     assert http.get("/v1/files").json()["data"] == before  # nothing stored
+
+
+# -- §7 non-finite numbers: NaN and Infinity are what Python's JSON reader accepts, and 1e999 reads as infinity ------
+
+NAN, INF = float("nan"), float("inf")  # json.dumps writes them as the literals NaN, Infinity, -Infinity
+MESSAGE = {"model": "tiny", "max_tokens": 4, "messages": USER}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {**CHAT_BODY, "temperature": NAN}, "temperature"),
+        ("/v1/chat/completions", {**CHAT_BODY, "top_p": INF}, "top_p"),
+        ("/v1/chat/completions", {**CHAT_BODY, "presence_penalty": -INF}, "presence_penalty"),
+        ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": -INF}, "temperature"),
+        ("/v1/responses", {"model": "tiny", "input": "a", "top_p": NAN}, "top_p"),
+        ("/api/probes", {"name": "p", "layer": 1, "weights": [0.5, NAN], "bias": 0.0}, "weights[1]"),
+        ("/api/probes", {"name": "p", "layer": 1, "weights": [0.5], "bias": INF}, "bias"),
+        ("/api/lease", {"holder": "me", "ttl_seconds": NAN}, "ttl_seconds"),
+    ],
+)
+def test_a_non_finite_number_is_400_saying_it_must_be_finite(
+    http: httpx.Client, path: str, body: dict[str, Any], param: str
+) -> None:
+    response = post_raw(http, path, json.dumps(body))
+    assert response.status_code == 400, response.text
+    err = error(response)
+    assert (err["code"], err["param"]) == ("invalid_value", param), err
+    assert err["message"] == f"Invalid value for '{param}': Input should be a finite number.", err
+
+
+def test_a_non_finite_number_in_anthropic_and_in_batch_lines(http: httpx.Client, sdk: openai.OpenAI) -> None:
+    r = post_raw(http, "/anthropic/v1/messages", json.dumps({**MESSAGE, "temperature": NAN}))
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.json()["error"]["message"] == "Invalid value for 'temperature': Input should be a finite number."
+
+    good = {"model": "tiny", "messages": USER, "max_tokens": 2}
+    rows = [line("nan", {**good, "temperature": NAN}), line("ok", good), line("inf", {**good, "top_p": INF}),
+            line("big", {**good, "frequency_penalty": 1e999})]  # fmt: skip
+    batch = wait_terminal(sdk, submit(sdk, "".join(json.dumps(x) + "\n" for x in rows).encode()).id)
+    assert batch.status == "completed", batch.errors
+    errors = read_lines(sdk, batch.error_file_id)
+    assert [x["custom_id"] for x in errors] == ["nan", "inf", "big"]
+    for got, param in zip(errors, ["temperature", "top_p", "frequency_penalty"], strict=True):
+        assert got["response"]["status_code"] == 400
+        assert got["response"]["body"]["error"]["param"] == param
+        assert got["error"]["message"] == f"Invalid value for '{param}': Input should be a finite number."

@@ -13,6 +13,7 @@ import pytest
 from miserver.errors import InvalidRequestError
 from miserver.ids import now, ordered_id
 from miserver.services import batches as batches_service
+from miserver.services import operations
 from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import files as sf
@@ -74,6 +75,30 @@ async def test_a_paused_batch_runs_nothing_until_resumed(store: Store) -> None:
         await sb.set_fields(conn, batch.id, ("in_progress",), paused_at=None)
     await _steps(runner, passes=10)
     assert (await get(store, batch.id)).status == "completed"
+
+
+async def test_a_batch_that_ended_while_paused_does_not_report_paused(store: Store) -> None:
+    """``millm.paused`` says that a batch will not run until resumed: a paused batch that was cancelled, expired or
+    failed has ended, and says ``paused: false`` (the one still paused says true)."""
+    with installed_clock() as clock:
+        runner = runner_for(store)
+        cancelled = await create_batch(store, input_lines("c", 3))
+        expired = await create_batch(store, input_lines("e", 3), window=60)
+        failed = await create_batch(store, b'{"custom_id": "x", "method": "POST"}\n')  # no valid line
+        still = await create_batch(store, input_lines("s", 3))
+        for batch in (cancelled, expired, failed, still):
+            assert (await operations.pause(store, batch.id))["millm"]["paused"] is True
+        await _steps(runner)
+        await batches_service.cancel_batch(store, cancelled.id)
+        clock.offset += 120  # past the 60 s window
+        await _steps(runner)
+        ended = {b.id: await batches_service.retrieve_batch(store, b.id) for b in (cancelled, expired, failed)}
+        assert [b["status"] for b in ended.values()] == ["cancelled", "expired", "failed"]
+        assert [b["millm"]["paused"] for b in ended.values()] == [False, False, False]
+        live = await batches_service.retrieve_batch(store, still.id)
+        assert (live["status"], live["millm"]["paused"], live["millm"]["waiting_reason"]) == (
+            "in_progress", True, "paused",
+        )  # fmt: skip
 
 
 async def _input_file(store: Store, rows: int) -> str:

@@ -4,21 +4,31 @@ commands on a SQLite database."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from click.testing import CliRunner
+from fastapi import routing
+from starlette.routing import Mount
 
+from miserver.app import create_app
 from miserver.cli import main
 from miserver.errors import InvalidRequestError
 from miserver.protocol.accounts import TopUpRequest
 from miserver.protocol.common import parse_request
 from miserver.services import accounts, billing
 from miserver.services.billing import PriceFileError, PriceTable
+from miserver.settings import Settings
+from miserver.store import Store
 from miserver.store.keys import KeyRecord
+from miserver.store.usage import Usage, record_usage
 
 
 def _key(balance: int | None = 100, revoked_at: int | None = None) -> KeyRecord:
@@ -163,6 +173,68 @@ def test_keys_and_usage_commands_on_the_database(tmp_path: Path) -> None:
     assert again.exit_code == 1 and "already revoked" in again.output
     usage = runner.invoke(main, ["usage", "--group-by", "model", *db])
     assert usage.exit_code == 0 and usage.output.split()[:2] == ["model", "requests"]
+
+
+def test_usage_and_keys_tables_never_cut_a_value(tmp_path: Path) -> None:
+    """The columns widen to the longest value: a model id of 45 characters and a key name of 30 are shown whole."""
+    runner = CliRunner()
+    db = ["--data-dir", str(tmp_path)]
+    name = "nightly-evaluation-suite-team-b"
+    made = runner.invoke(main, ["keys", "create", "--name", name, *db])
+    assert made.exit_code == 0, made.output
+    listed = runner.invoke(main, ["keys", "list", *db])
+    assert listed.exit_code == 0 and name in listed.stdout.split(), listed.output
+    key_id = next(w for w in listed.output.split() if w.startswith("key_"))
+
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1"
+    usage = Usage(key_id, model, "realtime", "/v1/chat/completions", 12, 3, 0, int(time.time()), request_id="req_1")
+
+    async def record() -> None:
+        store = await Store.open(f"sqlite:///{tmp_path / 'miserver.db'}")
+        try:
+            async with store.tx() as conn:
+                assert await record_usage(conn, usage)
+        finally:
+            await store.close()
+
+    asyncio.run(record())
+    shown = runner.invoke(main, ["usage", "--group-by", "model", *db])
+    assert shown.exit_code == 0, shown.output
+    header, row = shown.stdout.splitlines()
+    assert row.split() == [model, "1", "12", "3", "0.000000"]
+    assert header.index("requests") + len("requests") == row.index(" 1 ") + 2  # numbers aligned right under it
+
+
+async def test_with_a_key_only_the_open_routes_answer_without_one(tmp_path: Path) -> None:
+    """Once a key exists, every route of the application is 401 without one, except ``OPEN_ROUTES`` (the health
+    probe, ``/openapi.json`` and ``/docs``) and the files ``/docs`` loads, which a browser fetches with no key."""
+    settings = Settings(no_model=True, data_dir=tmp_path / "var", database_url=f"sqlite:///{tmp_path / 'db'}")
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await accounts.create_key(app.state.miserver.store, accounts.KeySpec.parse({"name": "a", "admin": True}))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://miserver") as client:
+            answered: dict[tuple[str, str], int] = {}
+            for context in routing.iter_route_contexts(app.routes):
+                route = context.original_route
+                if isinstance(route, Mount):
+                    continue  # the console: its own sign-in (tests/e2e/test_console.py)
+                path = getattr(context, "path_format", None) or getattr(route, "path", "")
+                for method in sorted(getattr(context, "methods", None) or getattr(route, "methods", None) or ()):
+                    if method == "HEAD":
+                        continue
+                    url = re.sub(r"\{[^}]+\}", "x", path)
+                    answered[(method, path)] = (await client.request(method, url)).status_code
+            page = await client.get("/docs")
+            assets = re.findall(r"(?:src|href)=['\"](/docs/[^'\"]+)['\"]", page.text)
+            loaded = {a: (await client.get(a)).status_code for a in assets}
+    assert len(answered) >= 40
+    opened = {route for route, status in answered.items() if status != 401}
+    files = {(m, p) for m, p in answered if m == "GET" and p.startswith("/docs/static/")}
+    assert opened == {("GET", "/api/health"), ("GET", "/openapi.json"), ("GET", "/docs"), *files}, opened
+    assert opened == {route for route in answered if accounts.is_open(*route)}
+    assert {answered[route] for route in opened} == {200}, answered
+    assert len(loaded) == 3 and set(loaded.values()) == {200}, loaded  # the Swagger UI script, style and icon
 
 
 def test_serve_refuses_a_public_address_without_keys(tmp_path: Path) -> None:

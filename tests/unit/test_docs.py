@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import click
 import pytest
@@ -11,6 +13,7 @@ from click.testing import CliRunner
 from pydantic import AliasChoices
 
 from miserver.cli import main
+from miserver.services import accounts, billing
 from miserver.settings import Settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -82,3 +85,53 @@ def test_every_cli_command_help_has_an_example(path: tuple[str, ...]) -> None:
     assert "Example:" in result.output, f"`miserver {' '.join(path)} --help` shows no example"
     example = result.output.split("Example:", 1)[1]
     assert f"miserver {' '.join(path)}" in example, f"the example of `miserver {' '.join(path)}` does not run it"
+
+
+@pytest.mark.parametrize("path", [path for path, _ in _commands(main)], ids=" ".join)
+def test_every_cli_option_help_names_the_environment_variable_it_reads(path: tuple[str, ...]) -> None:
+    """``--url`` reads ``MISERVER_URL``, ``--database-url`` ``MISERVER_DATABASE_URL``, ...: ``--help`` says so."""
+    command = dict(_commands(main))[path]
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.output.split())
+    for param in command.params:
+        envvar = getattr(param, "envvar", None)
+        if isinstance(envvar, str):
+            assert f"env var: {envvar}" in shown, f"`miserver {' '.join(path)} --help` does not name {envvar}"
+
+
+def test_the_readme_lists_exactly_the_routes_open_without_a_key() -> None:
+    """The Accounts section's "Open without a key:" sentence names each of ``OPEN_ROUTES`` and ``OPEN_PREFIXES``, and
+    nothing else."""
+    text = " ".join(README.read_text().split("## Accounts", 1)[1].split())
+    sentence = text.split("Open without a key: ", 1)[1].split(", since ", 1)[0]
+    listed = set(re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`]*)`", sentence))
+    assert listed == set(accounts.OPEN_ROUTES), sentence
+    assert all(f"`{prefix}`" in sentence for prefix in accounts.OPEN_PREFIXES), sentence
+
+
+def _paragraph(starting: str) -> str:
+    text = README.read_text()
+    return " ".join(text[text.index(starting) :].split("\n\n", 1)[0].split())
+
+
+async def test_the_readme_says_that_usage_is_recorded_per_key_only() -> None:
+    """What the README says about usage on a server without keys is what billing does: no record without a key."""
+    usage = _paragraph("**Usage records.**")
+    assert "Usage is recorded per key only: a server with no keys records none" in usage
+    assert "everything costs 0 (each key's usage is still recorded, at cost 0)" in _paragraph("`input` and `output`")
+    row = {"prices": None, "endpoint": "/v1/chat/completions", "batch_id": "batch_1", "line": 1, "model": "m"}
+    assert billing.row_usage(owner=None, input_tokens=3, output_tokens=2, **row) is None
+    assert billing.row_usage(owner="key_1", input_tokens=3, output_tokens=2, **row) is not None
+    store: Any = None  # not reached: a caller without a key writes nothing
+    chat = ("/v1/chat/completions", "m", 3, 2, "req_1")
+    assert await billing.record_realtime(store, billing.PriceTable(), accounts.SYSTEM, *chat) is False
+
+
+def test_the_readme_says_how_the_anthropic_routes_read_x_api_key() -> None:
+    """``x-api-key`` is the API key on the /anthropic routes (not a header ignored by a server "with no keys")."""
+    anthropic = _paragraph("`POST /anthropic/v1/messages` serves")
+    assert "this server has no keys" not in anthropic
+    assert "`x-api-key` is read as the API key, like `Authorization: Bearer`" in anthropic
+    request = SimpleNamespace(headers={"x-api-key": "sk-abc"}, url=SimpleNamespace(path="/anthropic/v1/messages"))
+    assert accounts.presented_key(request) == "sk-abc"  # type: ignore[arg-type]

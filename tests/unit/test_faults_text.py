@@ -7,20 +7,24 @@ that only names the served model.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import pkgutil
 import re
 from types import SimpleNamespace, UnionType
 from typing import Any, Union, get_args, get_origin
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from miserver import protocol
 from miserver.batches.validate import check_line
 from miserver.engines.base import EngineInfo
 from miserver.errors import APIError
 from miserver.protocol.batches import BatchCreateRequest
 from miserver.protocol.chat import ChatCompletionRequest
-from miserver.protocol.common import describe, parse_request
+from miserver.protocol.common import RequestModel, describe, parse_request
 from miserver.protocol.completions import CompletionRequest
 from miserver.protocol.embeddings import EmbeddingRequest
 from miserver.protocol.probes import ProbeCreateRequest, ProbeScoreRequest
@@ -527,3 +531,82 @@ def test_describe_says_what_a_field_accepts() -> None:
         "a string, a list of strings, a list of integers or a list of lists of integers"
     )
     assert describe(ChatCompletionRequest.model_fields["messages"].annotation) == "a list of objects"
+
+
+# -- non-finite numbers: NaN, Infinity, -Infinity (what Python's JSON reader makes of those literals, and of 1e999) ---
+
+
+def request_models() -> list[type[BaseModel]]:
+    """Every request model of the protocol layer (each module's subclasses of ``RequestModel``)."""
+    found: set[type[BaseModel]] = set()
+    for info in pkgutil.iter_modules(protocol.__path__):
+        module = importlib.import_module(f"{protocol.__name__}.{info.name}")
+        found |= {c for _, c in inspect.getmembers(module, inspect.isclass) if issubclass(c, RequestModel)}
+    return sorted(found, key=lambda c: (c.__module__, c.__name__))
+
+
+def holding(annotation: Any, number: float) -> tuple[Any, str] | None:
+    """A JSON value of ``annotation``'s shape with ``number`` where a float goes, and the path to it from the
+    field (``""``, ``"[0]"``, ``".k"``); None when the annotation holds no float."""
+    annotation = _strip(annotation)
+    if annotation is float:
+        return number, ""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (Union, UnionType):
+        return next((found for a in args if (found := holding(a, number)) is not None), None)
+    if origin is list and (found := holding(args[0], number)) is not None:
+        return [found[0]], f"[0]{found[1]}"
+    if origin is dict and (found := holding(args[1], number)) is not None:
+        return {"k": found[0]}, f".k{found[1]}"
+    return None
+
+
+FLOAT_FIELDS = [
+    (model, name) for model in request_models() for name, f in model.model_fields.items() if holding(f.annotation, 0.0)
+]
+
+
+def test_the_walk_finds_the_float_fields() -> None:
+    names = {(m.__name__, n) for m, n in FLOAT_FIELDS}
+    assert {("ChatCompletionRequest", "temperature"), ("ChatCompletionRequest", "logit_bias")} <= names
+    assert {("MessagesRequest", "top_p"), ("ResponseCreateRequest", "temperature")} <= names
+    assert {("LeaseRequest", "ttl_seconds"), ("RenewRequest", "ttl_seconds")} <= names
+    assert {("ProbeCreateRequest", "weights"), ("ProbeCreateRequest", "bias"), ("ProbeCreateRequest", "C")} <= names
+
+
+@pytest.mark.parametrize(("model", "name"), FLOAT_FIELDS, ids=lambda v: getattr(v, "__name__", v))
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), float("-inf")], ids=str)
+def test_every_float_field_of_every_request_model_refuses_a_non_finite_number(
+    model: type[BaseModel], name: str, number: float
+) -> None:
+    """The field's own error says "finite number", and no bound (``<= 2``) is reported about a value that is no
+    number at all."""
+    found = holding(model.model_fields[name].annotation, number)
+    assert found is not None
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate({name: found[0]})
+    own = [e for e in caught.value.errors() if e["loc"][:1] == (name,)]
+    assert any(e["type"] == "finite_number" for e in own), own
+    assert not [e for e in own if e["type"] in ("less_than_equal", "greater_than_equal", "less_than", "greater_than")]
+
+
+@pytest.mark.parametrize(("endpoint", "name"), [(e, n) for e, m in MODELS.items() for mm, n in FLOAT_FIELDS if mm is m])
+def test_a_non_finite_number_is_named_with_its_path_on_the_route_and_in_a_batch_line(
+    ctx: ServiceContext, endpoint: str, name: str
+) -> None:
+    found = holding(MODELS[endpoint].model_fields[name].annotation, float("nan"))
+    assert found is not None
+    body = {**BODIES[endpoint], name: found[0]}
+    param = name + found[1]
+    err = None
+    try:
+        parse_request(MODELS[endpoint], body, strict=True)  # type: ignore[type-var]
+    except APIError as exc:
+        err = exc
+    assert err is not None and (err.code, err.param) == ("invalid_value", param)
+    assert err.message == f"Invalid value for '{param}': Input should be a finite number."
+    if endpoint in SERVICES:
+        sync = sync_error(ctx, endpoint, body, strict=True)
+        _, line = line_error(ctx, endpoint, body)
+        assert sync is not None and line is not None
+        assert (sync.param, sync.message) == (line.param, line.message) == (err.param, err.message)

@@ -25,7 +25,7 @@ from ..protocol.anthropic import (
 from ..services import message_batches
 from ..services.context import Call, StreamResult
 from ..services.registry import SERVICES
-from .common import json_body, state, strict_mode
+from .common import json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
@@ -41,7 +41,7 @@ BATCHES = "/anthropic/v1/messages/batches"
 async def create_message(request: Request) -> Response:
     """A Message, or its Server-Sent Events when ``stream`` is true."""
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    call = Call(strict=strict_mode(request), lease=lease_header(request))
     result = await SERVICES[MESSAGES].create(state(request).ctx, body, call)
     if isinstance(result, StreamResult):
         events = result.events
@@ -71,7 +71,7 @@ async def create_message_batch(request: Request) -> dict[str, Any]:
         max_window_hours=st.settings.max_completion_window_hours(),
         pack_default=st.settings.batch_pack_default,
         file_expiry_seconds=st.settings.file_default_expiry_seconds,
-        caller_lease=request.headers.get("x-millm-lease"),
+        caller_lease=lease_header(request),
         prices=st.ctx.prices,
     )
     st.runner.wake()

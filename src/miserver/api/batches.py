@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from ..protocol.batches import Batch, BatchCreateRequest, BatchList
 from ..services import batches as service
 from ..services.batches import batch_object
-from .common import list_object, state, strict_mode
+from .common import lease_header, list_object, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 __all__ = ["batch_object", "router"]
@@ -25,7 +25,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
     form = service.BatchCreate(
         raw=await request.body(),
         strict=strict_mode(request),
-        caller_lease=request.headers.get("x-millm-lease"),
+        caller_lease=lease_header(request),
         idempotency_key=request.headers.get("idempotency-key"),
     )
     answer = await service.create_batch(

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..errors import InvalidRequestError
+from ..leases import is_token
 from ..services.common import decode_json
 from ..services.context import ServiceContext, ServiceResult, StreamResult
 from ..services.residency import Residency
@@ -51,9 +53,43 @@ async def json_body(request: Request) -> Any:
     return decode_json(await request.body())
 
 
+#: The values of ``X-miLLM-Strict`` that miServer understands (compared case-insensitively), and what each means.
+STRICT_VALUES: dict[str, bool] = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def strict_mode(request: Request) -> bool:
-    """``X-miLLM-Strict: true`` turns unknown fields into 400 ``unknown_parameter``."""
-    return request.headers.get("x-millm-strict", "").strip().lower() in {"1", "true", "yes"}
+    """``X-miLLM-Strict: true`` turns unknown fields into 400 ``unknown_parameter``.
+
+    The header takes ``true``/``false``, ``1``/``0`` or ``yes``/``no`` in any case; absent or empty, the request is
+    not strict. Any other value is 400 ``invalid_value`` (param ``X-miLLM-Strict``), never read as "not strict".
+    """
+    value = request.headers.get("x-millm-strict", "").strip().lower()
+    if not value:
+        return False
+    if value not in STRICT_VALUES:
+        raise InvalidRequestError(
+            "Invalid 'X-miLLM-Strict' header: use true or false (1/0 and yes/no are accepted too).",
+            param="X-miLLM-Strict",
+        )
+    return STRICT_VALUES[value]
+
+
+def lease_header(request: Request) -> str | None:
+    """The lease token sent in ``X-miLLM-Lease``; None when the header is absent or empty.
+
+    A value that is not a lease token (``lease_`` and 24 hex digits, as ``POST /api/lease`` hands out) is 400
+    ``invalid_value`` (param ``X-miLLM-Lease``), never run as if it were a lease. Whether the lease is live is for
+    the route to decide. The value is not echoed: a lease token lets its holder renew and release the lease.
+    """
+    value = request.headers.get("x-millm-lease", "").strip()
+    if not value:
+        return None
+    if not is_token(value):
+        raise InvalidRequestError(
+            "Invalid 'X-miLLM-Lease' header: not a lease token (send the 'lease' that POST /api/lease answered).",
+            param="X-miLLM-Lease",
+        )
+    return value
 
 
 def list_object(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 from ..protocol.embeddings import CreateEmbeddingResponse, EmbeddingRequest
 from ..services.context import Call
 from ..services.registry import SERVICES
-from .common import json_body, state, strict_mode, to_response
+from .common import json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, documented
 
 router = APIRouter()
@@ -18,5 +18,5 @@ router = APIRouter()
 @documented(body=EmbeddingRequest, ok=CreateEmbeddingResponse, errors=INFERENCE_ERRORS, headers=("strict", "lease"))
 async def embeddings(request: Request) -> Response:
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    call = Call(strict=strict_mode(request), lease=lease_header(request))
     return to_response(await SERVICES["/v1/embeddings"].create(state(request).ctx, body, call))

@@ -9,7 +9,7 @@ from ..protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionR
 from ..protocol.completions import Completion, CompletionRequest
 from ..services.context import Call
 from ..services.registry import SERVICES
-from .common import json_body, state, strict_mode, to_response
+from .common import json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, documented
 
 router = APIRouter()
@@ -22,7 +22,7 @@ router = APIRouter()
 )  # fmt: skip
 async def chat_completions(request: Request) -> Response:
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    call = Call(strict=strict_mode(request), lease=lease_header(request))
     return to_response(await SERVICES["/v1/chat/completions"].create(state(request).ctx, body, call))
 
 
@@ -32,5 +32,5 @@ async def chat_completions(request: Request) -> Response:
 )
 async def completions(request: Request) -> Response:
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    call = Call(strict=strict_mode(request), lease=lease_header(request))
     return to_response(await SERVICES["/v1/completions"].create(state(request).ctx, body, call))

@@ -12,7 +12,7 @@ from ..protocol.common import parse_request
 from ..protocol.server import LeaseObject, LeaseReleased, LeaseRequest, RenewRequest
 from ..services import accounts
 from ..services import batches as batches_service
-from .common import json_body, state, strict_mode
+from .common import json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, documented
 
 router = APIRouter()
@@ -56,7 +56,7 @@ async def release_lease(lease: str, request: Request) -> dict[str, Any]:
 async def hand_lease(batch_id: str, request: Request) -> dict[str, Any]:
     """Hand the caller's live lease (``X-miLLM-Lease``) to a batch that has not finished: it runs under it."""
     st = state(request)
-    lease = request.headers.get("x-millm-lease")
+    lease = lease_header(request)
     if not lease:
         raise InvalidRequestError("Send your live lease in the X-miLLM-Lease header.", param="X-miLLM-Lease")
     st.ctx.leases.get(lease)  # 404 unless it is the live lease

@@ -24,17 +24,13 @@ from ..protocol.model_life import (
     WeightWriteRequest,
     WeightWritten,
 )
-from .common import json_body, state
+from .common import json_body, lease_header, state
 from .openapi import CHANGE_ERRORS, documented
 
 router = APIRouter()
 
 #: Content types of a safetensors upload to ``POST /api/weights/write``.
 SAFETENSORS_TYPES = ("application/octet-stream", "application/safetensors")
-
-
-def _lease(request: Request) -> str | None:
-    return request.headers.get("x-millm-lease")
 
 
 def _answer(body: dict[str, Any]) -> JSONResponse:
@@ -61,7 +57,7 @@ async def weights_tensors(request: Request) -> dict[str, Any]:
 @documented(ok=WeightsState, errors=(400, 409, 500, 503), headers=("lease",))
 async def weights_begin(request: Request) -> JSONResponse:
     """Open a weight write: the running row finishes first; from now on the weights are torn until commit."""
-    return _answer(await state(request).residency.weights.begin(_lease(request)))
+    return _answer(await state(request).residency.weights.begin(lease_header(request)))
 
 
 @router.post("/api/weights/write")
@@ -76,8 +72,8 @@ async def weights_write(request: Request) -> JSONResponse:
         if unknown:
             raise InvalidRequestError(f"Unknown query parameter '{unknown[0]}'.", param=unknown[0])
         op = request.query_params.get("op", "set")
-        return _answer(await weights.write_safetensors(_lease(request), await request.body(), op))
-    return _answer(await weights.write(_lease(request), await json_body(request)))
+        return _answer(await weights.write_safetensors(lease_header(request), await request.body(), op))
+    return _answer(await weights.write(lease_header(request), await json_body(request)))
 
 
 @router.post("/api/weights/commit")
@@ -85,7 +81,7 @@ async def weights_write(request: Request) -> JSONResponse:
 async def weights_commit(request: Request) -> JSONResponse:
     """End the write: ``{"weights_revision"}`` is the new revision (also in ``X-miLLM-Weights``)."""
     st = state(request)
-    answer = await st.residency.weights.commit(_lease(request))
+    answer = await st.residency.weights.commit(lease_header(request))
     st.runner.wake()
     return _answer(answer)
 
@@ -95,7 +91,7 @@ async def weights_commit(request: Request) -> JSONResponse:
 async def weights_abort(request: Request) -> JSONResponse:
     """End the write and restore the weights from before ``begin``."""
     st = state(request)
-    answer = await st.residency.weights.abort(_lease(request))
+    answer = await st.residency.weights.abort(lease_header(request))
     st.runner.wake()
     return _answer(answer)
 
@@ -105,7 +101,7 @@ async def weights_abort(request: Request) -> JSONResponse:
 async def checkpoint_save(request: Request) -> JSONResponse:
     """``{"model": "<new id>"}``: save the resident weights under that id; the resident model is then it."""
     st = state(request)
-    answer = await st.residency.checkpoints.save(_lease(request), await json_body(request))
+    answer = await st.residency.checkpoints.save(lease_header(request), await json_body(request))
     st.runner.wake()
     return _answer(answer)
 
@@ -121,7 +117,7 @@ async def checkpoint_list(request: Request) -> dict[str, Any]:
 @documented(ok=CheckpointDeleted, errors=CHANGE_ERRORS, headers=("lease",))
 async def checkpoint_delete(model_id: str, request: Request) -> dict[str, Any]:
     """Delete a checkpoint (refused while it is resident or a batch that has not ended names it)."""
-    return await state(request).residency.checkpoints.delete(_lease(request), model_id)
+    return await state(request).residency.checkpoints.delete(lease_header(request), model_id)
 
 
 @router.post("/api/models")

@@ -10,7 +10,7 @@ from ..protocol.common import parse_request
 from ..protocol.server import Catalogue, ModelList, ModelLoaded, ModelLoadRequest, ModelObject, ModelUnloaded
 from ..services import gateway
 from ..services.accounts import require_admin
-from .common import json_body, state, strict_mode
+from .common import json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
@@ -50,8 +50,9 @@ async def catalogue(request: Request) -> dict[str, Any]:
 async def load(request: Request) -> dict[str, Any]:
     """``{"model": id or path}``: make it the resident model (needs the lease when one is held)."""
     st = state(request)
+    lease = lease_header(request)
     req = parse_request(ModelLoadRequest, await json_body(request), strict=strict_mode(request))
-    engine = await st.residency.load(req.model, request.headers.get("x-millm-lease"))
+    engine = await st.residency.load(req.model, lease)
     st.runner.wake()
     return {"id": engine.info.model_id, "resident": True, "weights_revision": engine.info.weights_revision}
 
@@ -61,5 +62,5 @@ async def load(request: Request) -> dict[str, Any]:
 async def unload(request: Request) -> dict[str, Any]:
     """Free the resident model (needs the lease when one is held). Batches wait with ``model_not_resident``."""
     st = state(request)
-    await st.residency.unload(request.headers.get("x-millm-lease"))
+    await st.residency.unload(lease_header(request))
     return {"resident": None}

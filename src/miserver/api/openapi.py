@@ -36,7 +36,7 @@ from pydantic.json_schema import models_json_schema
 
 from ..errors import ANTHROPIC_PREFIX
 from ..protocol.errors import AnthropicErrorResponse, ErrorResponse
-from ..services.accounts import BILLED_ROUTES, OPEN_ROUTES, require_admin
+from ..services.accounts import BILLED_ROUTES, is_open, require_admin
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -77,7 +77,11 @@ CHANGE_ERRORS: tuple[int, ...] = (400, 404, 409, 500)
 
 #: The request headers a route may read, documented as header parameters.
 HEADERS: dict[str, tuple[str, str]] = {
-    "strict": ("X-miLLM-Strict", "`true` refuses unknown fields with 400 `unknown_parameter` (default: ignored)."),
+    "strict": (
+        "X-miLLM-Strict",
+        "`true` refuses unknown fields with 400 `unknown_parameter` (default: ignored). `true`/`false`, `1`/`0` or "
+        "`yes`/`no` in any case; any other value is 400 `invalid_value`.",
+    ),
     "lease": ("X-miLLM-Lease", "A live model lease: the request runs under it (needed while a holder has one)."),
     "idempotency": ("Idempotency-Key", "A retry under the same key gets the first answer again."),
 }
@@ -204,7 +208,7 @@ def _models(routes: list[tuple[str, Documentation]]) -> list[tuple[type[BaseMode
 def _auth_errors(method: str, path: str, admin: bool) -> tuple[int, ...]:
     """What authentication adds to a route's errors (``services/accounts.authenticate``): 401 on every route but the
     open ones, 402 on the inference routes, 403 on the admin-only ones (``require_admin``)."""
-    if (method.upper(), path) in OPEN_ROUTES:
+    if is_open(method, path):
         return ()
     billed = (402,) if method.upper() == "POST" and path in BILLED_ROUTES else ()
     return (401, *billed, *((403,) if admin else ()))

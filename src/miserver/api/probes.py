@@ -12,7 +12,7 @@ from ..protocol.probes import Probe, ProbeCreateRequest, ProbeDeleted, ProbeList
 from ..services import probes
 from ..services.context import Call
 from ..services.registry import SERVICES
-from .common import json_body, state, strict_mode, to_response
+from .common import json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
@@ -23,7 +23,7 @@ router = APIRouter()
 async def score(request: Request) -> Response:
     """``{probe, input}``: the named probe on the resident model's hidden states (no model field)."""
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    call = Call(strict=strict_mode(request), lease=lease_header(request))
     return to_response(await SERVICES["/api/probes/score"].create(state(request).ctx, body, call))
 
 
@@ -32,7 +32,7 @@ async def score(request: Request) -> Response:
 async def create(request: Request) -> dict[str, Any]:
     """Store a probe (``weights`` + ``bias``) or train one (``texts`` + ``labels``) for the resident model."""
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    call = Call(strict=strict_mode(request), lease=lease_header(request))
     return await probes.create_probe(state(request).ctx, body, call)
 
 

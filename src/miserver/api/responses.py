@@ -14,7 +14,7 @@ from ..protocol.responses import ResponseCreateRequest, ResponseDeleted, Respons
 from ..services import responses as service
 from ..services.context import Call, StreamResult
 from ..services.registry import SERVICES
-from .common import json_body, state, strict_mode, to_response
+from .common import json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
@@ -39,7 +39,7 @@ def _sse(result: StreamResult) -> StreamingResponse:
 async def create_response(request: Request) -> Response:
     """Create a Response (``stream: true``: as Server-Sent Events)."""
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=request.headers.get("x-millm-lease"))
+    call = Call(strict=strict_mode(request), lease=lease_header(request))
     result = await SERVICES["/v1/responses"].create(state(request).ctx, body, call)
     return _sse(result) if isinstance(result, StreamResult) else to_response(result)
 

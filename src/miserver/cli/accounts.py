@@ -6,12 +6,18 @@ from typing import Any
 
 import click
 
-from .base import _on_store, main
+from .base import _on_store, main, table
 
 _db_url = click.option(
-    "--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL (the server's)."
+    "--database-url",
+    envvar="MISERVER_DATABASE_URL",
+    show_envvar=True,
+    default=None,
+    help="SQLite or PostgreSQL URL (the server's).",
 )
-_db_dir = click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+_db_dir = click.option(
+    "--data-dir", envvar="MISERVER_DATA_DIR", show_envvar=True, default="./var", show_default=True, type=click.Path()
+)
 
 
 def _money(value: int | None) -> str:
@@ -77,14 +83,21 @@ def keys_list(database_url: str | None, data_dir: str) -> None:
     from ..services import accounts
 
     records = _on_store(database_url, data_dir, accounts.list_keys)
-    click.echo(f"{'id':<30} {'prefix':<12} {'name':<20} {'admin':<6} {'balance':>16} {'quotas':<20} revoked")
-    for r in records:
-        quotas = f"{r.max_pending_batches or '-'}b/{r.max_enqueued_tokens or '-'}t"
-        revoked = str(r.revoked_at) if r.revoked_at else "-"
-        click.echo(
-            f"{r.id:<30} {r.prefix:<12} {r.name[:20]:<20} {str(r.admin):<6} {_money(r.balance):>16} {quotas:<20} "
-            f"{revoked}"
+    rows = [
+        (
+            r.id,
+            r.prefix,
+            r.name,
+            str(r.admin),
+            _money(r.balance),
+            f"{r.max_pending_batches or '-'}b/{r.max_enqueued_tokens or '-'}t",
+            str(r.revoked_at) if r.revoked_at else "-",
         )
+        for r in records
+    ]
+    header = ("id", "prefix", "name", "admin", "balance", "quotas", "revoked")
+    for text in table(header, rows, right={4}):
+        click.echo(text)
 
 
 @keys.command("revoke")
@@ -156,9 +169,7 @@ def usage(
 
     answer = _on_store(database_url, data_dir, work)
     label = "key_id" if group_by == "key" else group_by
-    click.echo(f"{label:<40} {'requests':>9} {'input':>12} {'output':>12} {'cost':>16}")
-    for row in answer["data"]:
-        click.echo(
-            f"{str(row[label])[:40]:<40} {row['requests']:>9} {row['input_tokens']:>12} {row['output_tokens']:>12} "
-            f"{_money(row['cost']):>16}"
-        )
+    counts = ("requests", "input_tokens", "output_tokens")
+    rows = [(str(row[label]), *(str(row[c]) for c in counts), _money(row["cost"])) for row in answer["data"]]
+    for text in table((label, "requests", "input", "output", "cost"), rows, right={1, 2, 3, 4}):
+        click.echo(text)

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ..protocol.batches import TERMINAL
-from .base import DEFAULT_URL, _client, client_errors, main
+from .base import _client, client_errors, main, plural, url_option
 
 
 @main.group()
@@ -30,7 +30,7 @@ def _submit(url: str, path: str, endpoint: str, window: str) -> Any:
 @click.argument("path", type=click.Path(exists=True, dir_okay=False))
 @click.option("--endpoint", default="/v1/chat/completions", show_default=True)
 @click.option("--window", default="24h", show_default=True, help="completion_window, 1h-168h.")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_submit(path: str, endpoint: str, window: str, url: str) -> None:
     """Upload PATH (JSONL) and create a batch; prints the batch id.
@@ -44,7 +44,7 @@ def batch_submit(path: str, endpoint: str, window: str, url: str) -> None:
 
 @batch.command("status")
 @click.argument("batch_id")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_status(batch_id: str, url: str) -> None:
     """Print a batch object as JSON.
@@ -96,7 +96,7 @@ def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool 
 @click.option("--window", default="24h", show_default=True)
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write the output lines here.")
 @click.option("--errors", "-e", type=click.Path(dir_okay=False), default=None, help="Write the error lines here.")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_run(path: str, endpoint: str, window: str, output: str | None, errors: str | None, url: str) -> None:
     """Submit PATH, show progress until the batch ends, then save its output (and its error lines).
@@ -136,7 +136,7 @@ def batch_run(path: str, endpoint: str, window: str, output: str | None, errors:
 
 @batch.command("watch")
 @click.argument("batch_id")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_watch(batch_id: str, url: str) -> None:
     """Show a batch's live progress bar with its ETA until it ends; exits 0 when it completed, else 1.
@@ -155,7 +155,7 @@ def batch_watch(batch_id: str, url: str) -> None:
 
 @batch.command("list")
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 100), help="How many, newest first.")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_list(limit: int, url: str) -> None:
     """List batches, newest first: id, status, rows done of total, failed, and the ETA or why it waits.
@@ -178,7 +178,7 @@ def _post(url: str, path: str) -> Any:
 
 @batch.command("cancel")
 @click.argument("batch_id")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_cancel(batch_id: str, url: str) -> None:
     """Cancel a batch (recorded rows stay; the rest become batch_cancelled error lines); prints its status.
@@ -193,7 +193,7 @@ def batch_cancel(batch_id: str, url: str) -> None:
 
 @batch.command("pause")
 @click.argument("batch_id")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_pause(batch_id: str, url: str) -> None:
     """Pause a batch at its next row boundary (its window keeps running).
@@ -208,7 +208,7 @@ def batch_pause(batch_id: str, url: str) -> None:
 
 @batch.command("resume")
 @click.argument("batch_id")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_resume(batch_id: str, url: str) -> None:
     """Resume a paused batch from its first unrecorded row.
@@ -223,7 +223,7 @@ def batch_resume(batch_id: str, url: str) -> None:
 
 @batch.command("retry")
 @click.argument("batch_id")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_retry(batch_id: str, url: str) -> None:
     """Create a new batch of an ended batch's failed, cancelled and expired rows; prints the new batch's id.
@@ -239,7 +239,7 @@ def batch_retry(batch_id: str, url: str) -> None:
 @click.argument("batch_id")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write the output lines here.")
 @click.option("--errors", "-e", type=click.Path(dir_okay=False), default=None, help="Write the error lines here.")
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True)
+@url_option
 @client_errors
 def batch_download(batch_id: str, output: str | None, errors: str | None, url: str) -> None:
     """Save an ended batch's output file (-o) and error file (-e); a file the batch has not is written empty.
@@ -259,4 +259,4 @@ def batch_download(batch_id: str, output: str | None, errors: str | None, url: s
             continue
         data = client.files.content(file_id).content if file_id else b""
         Path(target).write_bytes(data)
-        click.echo(f"{what}: {len(data.splitlines())} lines written to {target}")
+        click.echo(f"{what}: {plural(len(data.splitlines()), 'line')} written to {target}")

@@ -16,8 +16,12 @@ def db() -> None:
 
 
 @db.command("upgrade")
-@click.option("--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL.")
-@click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
+@click.option(
+    "--database-url", envvar="MISERVER_DATABASE_URL", show_envvar=True, default=None, help="SQLite or PostgreSQL URL."
+)
+@click.option(
+    "--data-dir", envvar="MISERVER_DATA_DIR", show_envvar=True, default="./var", show_default=True, type=click.Path()
+)
 def db_upgrade(database_url: str | None, data_dir: str) -> None:
     """Apply the schema migrations (serve does this at start too).
 

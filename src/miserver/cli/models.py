@@ -6,11 +6,11 @@ import json
 
 import click
 
-from .base import DEFAULT_URL, _client, client_errors, main
+from .base import DEFAULT_URL, _client, api_key, client_errors, error_line, main, url_option
 
 
 @main.group(invoke_without_command=True)
-@click.option("--url", envvar="MISERVER_URL", default=DEFAULT_URL, show_default=True, help="Server base URL.")
+@url_option
 @click.pass_context
 @client_errors
 def models(ctx: click.Context, url: str) -> None:
@@ -31,7 +31,9 @@ def models(ctx: click.Context, url: str) -> None:
 @click.argument("model_id")
 @click.argument("source")
 @click.option("--alias", "aliases", multiple=True, help="A name that resolves to MODEL_ID (any case); repeatable.")
-@click.option("--url", envvar="MISERVER_URL", default=None, help="Server base URL (default: the group's --url).")
+@click.option(
+    "--url", envvar="MISERVER_URL", default=None, show_envvar=True, help="Server base URL (default: the group's --url)."
+)
 @click.pass_context
 def models_add(ctx: click.Context, model_id: str, source: str, aliases: tuple[str, ...], url: str | None) -> None:
     """Add a model the server may load: SOURCE is a transformers folder, a .gguf file or the embedded id.
@@ -46,8 +48,10 @@ def models_add(ctx: click.Context, model_id: str, source: str, aliases: tuple[st
 
     base = (url or ctx.obj or DEFAULT_URL).rstrip("/")
     body = {"id": model_id, "source": source, "aliases": list(aliases)}
+    key = api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        answer = httpx.post(base + "/api/models", json=body, timeout=60.0)
+        answer = httpx.post(base + "/api/models", json=body, headers=headers, timeout=60.0)
     except httpx.HTTPError:
         raise click.ClickException(
             f"cannot reach a server at {base} (is `miserver serve` running? see --url)"
@@ -58,7 +62,6 @@ def models_add(ctx: click.Context, model_id: str, source: str, aliases: tuple[st
             if answer.headers.get("content-type", "").startswith("application/json")
             else {}
         )
-        raise click.ClickException(
-            f"{answer.status_code} {error.get('code') or ''}: {error.get('message') or answer.text}"
-        )
+        message = error.get("message") or answer.text
+        raise click.ClickException(error_line(answer.status_code, error.get("code"), message))
     click.echo(json.dumps(answer.json()))

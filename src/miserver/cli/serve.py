@@ -39,19 +39,45 @@ def _upstream_overrides(upstream: tuple[str, ...], no_model: bool | None) -> dic
 
 
 @main.command()
-@click.option("--host", envvar="MISERVER_HOST", default="127.0.0.1", show_default=True, help="Bind address.")
-@click.option("--port", envvar="MISERVER_PORT", default=8000, show_default=True, type=int, help="TCP port.")
-@click.option("--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="SQLite or PostgreSQL URL.")
-@click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
-@click.option("--model", envvar="MISERVER_MODEL", default=None, help="Catalogue id, transformers dir or .gguf file.")
-@click.option("--served-model-name", envvar="MISERVER_SERVED_MODEL_NAME", default=None, help="Id to serve it under.")
 @click.option(
-    "--catalogue", envvar="MISERVER_CATALOGUE", default=None, type=click.Path(), help="Catalogue file (TOML or YAML)."
+    "--host", envvar="MISERVER_HOST", show_envvar=True, default="127.0.0.1", show_default=True, help="Bind address."
 )
-@click.option("--log-level", envvar="MISERVER_LOG_LEVEL", default="info", show_default=True)
+@click.option(
+    "--port", envvar="MISERVER_PORT", show_envvar=True, default=8000, show_default=True, type=int, help="TCP port."
+)
+@click.option(
+    "--database-url", envvar="MISERVER_DATABASE_URL", show_envvar=True, default=None, help="SQLite or PostgreSQL URL."
+)
+@click.option(
+    "--data-dir", envvar="MISERVER_DATA_DIR", show_envvar=True, default="./var", show_default=True, type=click.Path()
+)
+@click.option(
+    "--model",
+    envvar="MISERVER_MODEL",
+    show_envvar=True,
+    default=None,
+    help="Catalogue id, transformers dir or .gguf file.",
+)
+@click.option(
+    "--served-model-name",
+    envvar="MISERVER_SERVED_MODEL_NAME",
+    show_envvar=True,
+    default=None,
+    help="Id to serve it under.",
+)
+@click.option(
+    "--catalogue",
+    envvar="MISERVER_CATALOGUE",
+    show_envvar=True,
+    default=None,
+    type=click.Path(),
+    help="Catalogue file (TOML or YAML).",
+)
+@click.option("--log-level", envvar="MISERVER_LOG_LEVEL", show_envvar=True, default="info", show_default=True)
 @click.option(
     "--insecure-no-auth",
     envvar="MISERVER_INSECURE_NO_AUTH",
+    show_envvar=True,
     is_flag=True,
     help="Serve a non-loopback address with no API key in the database (open to anyone who reaches the port).",
 )
@@ -106,13 +132,31 @@ def serve(
 
 @main.command()
 @click.option(
-    "--database-url", envvar="MISERVER_DATABASE_URL", default=None, help="PostgreSQL URL shared with the server."
+    "--database-url",
+    envvar="MISERVER_DATABASE_URL",
+    show_envvar=True,
+    default=None,
+    help="PostgreSQL URL shared with the server.",
 )
-@click.option("--data-dir", envvar="MISERVER_DATA_DIR", default="./var", show_default=True, type=click.Path())
-@click.option("--model", envvar="MISERVER_MODEL", default=None, help="Catalogue id, transformers dir or .gguf file.")
-@click.option("--served-model-name", envvar="MISERVER_SERVED_MODEL_NAME", default=None, help="Id to serve it under.")
+@click.option(
+    "--data-dir", envvar="MISERVER_DATA_DIR", show_envvar=True, default="./var", show_default=True, type=click.Path()
+)
+@click.option(
+    "--model",
+    envvar="MISERVER_MODEL",
+    show_envvar=True,
+    default=None,
+    help="Catalogue id, transformers dir or .gguf file.",
+)
+@click.option(
+    "--served-model-name",
+    envvar="MISERVER_SERVED_MODEL_NAME",
+    show_envvar=True,
+    default=None,
+    help="Id to serve it under.",
+)
 @click.option("--worker-id", default=None, help="Name in row claims (default: worker-<random>).")
-@click.option("--log-level", envvar="MISERVER_LOG_LEVEL", default="info", show_default=True)
+@click.option("--log-level", envvar="MISERVER_LOG_LEVEL", show_envvar=True, default="info", show_default=True)
 @upstream_options
 def worker(
     database_url: str | None,

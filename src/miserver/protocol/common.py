@@ -25,9 +25,11 @@ from ..errors import (
 
 
 class RequestModel(BaseModel):
-    """Base of every request body: strict types (no ``"1"`` for a number), unknown fields kept for strict mode."""
+    """Base of every request body: strict types (no ``"1"`` for a number), unknown fields kept for strict mode, and
+    finite numbers only: Python's JSON reader turns ``NaN``, ``Infinity``, ``-Infinity`` and ``1e999`` into floats
+    that no field means, so every float of every request model refuses them (400 naming the field)."""
 
-    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True, allow_inf_nan=False)
 
 
 class ResponseModel(BaseModel):
@@ -347,8 +349,10 @@ def _choose(located: list[_Located], body: Any, level: int = 0) -> InvalidReques
 
     When the error lies inside a union (``stop: str | list[str]``), the members are compared: the member whose error
     lies deepest in the value (``stop[1]`` for ``["a", 5]``) is the one the client meant and its error is reported;
-    when no member fits the value's JSON type, or several fit equally, the union itself is named with what it
-    accepts (``Invalid type for 'stop': expected a string or a list of strings, got an integer.``).
+    at the same depth, a member whose value fits its type but breaks a rule (``weights[1]`` not finite, for
+    ``list[float] | list[list[float]]``) beats one whose type does not fit; when no member fits the value's JSON
+    type, or several fit equally, the union itself is named with what it accepts (``Invalid type for 'stop':
+    expected a string or a list of strings, got an integer.``).
     """
     first = next((x for x in located if x.kind == "missing" and len(x.unions) <= level), located[0])
     if len(first.unions) <= level:
@@ -358,8 +362,8 @@ def _choose(located: list[_Located], body: Any, level: int = 0) -> InvalidReques
     depth: dict[str, int] = {}
     for x in group:
         d = len(x.path) - len(where)
-        if d == 0 and _is_type_error(x.kind):
-            d = -1
+        # ranks: -1 the value's type does not fit the member at all; then by depth, a broken rule above a type error
+        d = -1 if d == 0 and _is_type_error(x.kind) else 2 * d + (0 if _is_type_error(x.kind) else 1)
         tag = x.unions[level][1]
         depth[tag] = max(depth.get(tag, -2), d)
     best = max(depth.values())

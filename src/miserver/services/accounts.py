@@ -4,7 +4,8 @@ dependency that authenticates every route (:func:`authenticate`), plus :func:`re
 A key is ``sk-`` + 32 random bytes in base64url (43 characters); only its SHA-256 hex digest and a display prefix
 are stored, and a key is never logged. With no key in the database the server is open (every caller acts as the
 anonymous admin, as before keys existed); once one key exists, every route needs one (``Authorization: Bearer``;
-``x-api-key`` also on the ``/anthropic`` routes), except ``GET /api/health`` (the liveness probe).
+``x-api-key`` also on the ``/anthropic`` routes), except ``GET /api/health`` (the liveness probe) and the API's
+documentation (``GET /openapi.json``, ``GET /docs`` and its files): :data:`OPEN_ROUTES`.
 
 The caller is kept in a context variable for the request (:func:`current`): services read it to stamp and filter
 owners, and the batch runner sets it to a batch's owner while it validates or runs that batch (:func:`acting_as`), so
@@ -42,8 +43,11 @@ from ..store.keys import KeyRecord
 
 #: Characters of a key shown in lists (``sk-`` and the first 8 of the random part).
 PREFIX_CHARS = 11
-#: Routes open to anyone even when keys exist (the liveness probe).
-OPEN_ROUTES = frozenset({("GET", "/api/health")})
+#: Routes open to anyone even when keys exist: the liveness probe, and the documentation of the API (its schema and
+#: the ``/docs`` page that shows it, which a browser opens without a key).
+OPEN_ROUTES = frozenset({("GET", "/api/health"), ("GET", "/openapi.json"), ("GET", "/docs")})
+#: Path prefixes open to ``GET`` in the same way: the Swagger UI files the ``/docs`` page loads.
+OPEN_PREFIXES = ("/docs/static/",)
 #: ``POST`` routes that run inference: they answer 402 when the caller's balance is used up.
 BILLED_ROUTES = frozenset(
     {
@@ -337,12 +341,18 @@ def _store(request: Request) -> Store:
     return store
 
 
+def is_open(method: str, path: str) -> bool:
+    """Whether ``method path`` needs no key even when keys exist (:data:`OPEN_ROUTES`, :data:`OPEN_PREFIXES`)."""
+    method = method.upper()
+    return (method, path) in OPEN_ROUTES or (method == "GET" and path.startswith(OPEN_PREFIXES))
+
+
 async def authenticate(request: Request) -> Principal:
     """The FastAPI dependency applied to the whole application: who calls (401 when keys exist and the request
     has none, or an unknown or revoked one), set for the request (:func:`current`, ``request.state.principal``).
     An inference ``POST`` by a key whose balance is used up (zero or below) is refused with 402
     ``insufficient_quota``."""
-    if (request.method, request.url.path) in OPEN_ROUTES:
+    if is_open(request.method, request.url.path):
         return SYSTEM
     principal = await principal_for(_store(request), presented_key(request))
     _current.set(principal)

@@ -152,7 +152,9 @@ def not_found(batch_id: str) -> NotFoundError:
 def batch_object(b: BatchRecord) -> dict[str, Any]:
     """The OpenAI Batch object plus miServer's ``millm`` block, as JSON-ready data.
 
-    ``millm.waiting_reason`` shows only while ``in_progress``; ``millm.description`` is ``metadata.description``.
+    ``millm.waiting_reason`` shows only while ``in_progress``; ``millm.description`` is ``metadata.description``;
+    ``millm.paused`` and ``millm.estimated_completion_at`` are about a batch that may still run, so a batch that
+    ended (cancelled, expired or failed while paused, say) is never ``paused``.
     """
     errors = BatchErrors(data=[BatchError(**e) for e in b.errors]) if b.errors else None
     return Batch(
@@ -186,7 +188,7 @@ def batch_object(b: BatchRecord) -> dict[str, Any]:
             description=(b.metadata or {}).get("description"),
             weights_revision=b.weights_revision,
             priority=b.priority,
-            paused=b.paused_at is not None,
+            paused=b.paused_at is not None and not b.terminal,
             estimated_completion_at=None if b.terminal else b.estimated_completion_at,
         ),
     ).model_dump()
