@@ -3,8 +3,10 @@
 1. **Overhead.** One ``miserver serve`` upstream on the tiny model (``--model`` for another) and a ``--no-model``
    gateway in front of it with ``max_in_flight`` N. The same ``--rows`` chat rows are sent (A) straight to the
    upstream by a client keeping N requests in flight and (B) as one batch through the gateway, in ABBA order in one
-   run; rows/s of each phase (B: from ``batches.create`` returning to the poll that sees ``completed``, so upload
-   aside it includes validation, every claim and record, and the output file) and the ratio B/A (goal >= 0.95).
+   run (``--rounds`` times over, ABBA ABBA ...: the machine's speed drifts by 10% within minutes); rows/s of each
+   phase (B: from ``batches.create`` returning to the poll that sees ``completed``, so upload aside it includes
+   validation, every claim and record, and the output file) and the ratio of the mean rows/s, B/A (goal >= 0.95),
+   over all rounds and per round.
    Each phase also gives the CPU milliseconds per row of the gateway, the upstream and this client (from
    ``/proc/<pid>/stat``). The upstream's resident model runs on ``--upstream-threads`` torch threads (default 1,
    ``MISERVER_TORCH_THREADS``): with torch's default (one spinning thread per core) the upstream alone keeps both of
@@ -138,39 +140,51 @@ def upstream(model_dir: str, root: Path, name: str, threads: int = 0) -> ServerP
                          database_url=f"sqlite:///{root / name}.db", env=env)  # fmt: skip
 
 
-def gateway(root: Path, name: str, entries: list[str]) -> ServerProcess:
-    env = {"MISERVER_NO_MODEL": "1", "MISERVER_UPSTREAMS": ",".join(entries), "BATCH_POLL_SECONDS": "0.2",
-           "MISERVER_UPSTREAM_HEALTH_SECONDS": "1"}  # fmt: skip
+def gateway(root: Path, name: str, entries: list[str], *, quick: bool = True) -> ServerProcess:
+    """A ``--no-model`` gateway in front of ``entries``; ``quick``: it polls its batches every 0.2 s and probes its
+    upstreams every second (the failover and fleet runs, which watch it react), else the server's defaults (1 s and
+    5 s: what the overhead and ceiling runs measure, since each poll and probe costs CPU)."""
+    env = {"MISERVER_NO_MODEL": "1", "MISERVER_UPSTREAMS": ",".join(entries)}
+    if quick:
+        env |= {"BATCH_POLL_SECONDS": "0.2", "MISERVER_UPSTREAM_HEALTH_SECONDS": "1"}
     return ServerProcess(data_dir=root / name, database_url=f"sqlite:///{root / name}.db", env=env)
 
 
 def overhead(
-    model_dir: str, root: Path, rows: int, n: int, max_tokens: int, threads: int, poll: float
+    model_dir: str, root: Path, rows: int, n: int, max_tokens: int, threads: int, poll: float, rounds: int
 ) -> dict[str, Any]:
     work = bodies(rows, MODEL, max_tokens)
-    with upstream(model_dir, root, "up-overhead", threads) as up, gateway(root, "gw-overhead", [f"u={up.base_url};max_in_flight={n}"]) as gw:  # noqa: E501
+    with upstream(model_dir, root, "up-overhead", threads) as up, gateway(root, "gw-overhead", [f"u={up.base_url};max_in_flight={n}"], quick=False) as gw:  # noqa: E501
         client = gw.client(timeout=600)
-        run_direct(up.base_url, work[:8], n)  # untimed warm-up of both paths
-        run_batch(client, work[:8])
+        warm = max(8, rows // 5)  # untimed warm-up of both paths (the upstream's first rows run slower)
+        run_direct(up.base_url, work[:warm], n)
+        run_batch(client, work[:warm])
         pids = {"gateway": gw.proc.pid, "upstream": up.proc.pid}
         phases = []
-        for kind in ("direct", "gateway", "gateway", "direct"):
-            before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"client": time.process_time()}
-            if kind == "direct":
-                seconds = run_direct(up.base_url, work, n)
-            else:
-                seconds, batch = run_batch(client, work, poll)
-                assert batch.status == "completed" and batch.request_counts.completed == rows, batch
-            after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"client": time.process_time()}
-            cpu = {f"{name}_cpu_ms_per_row": round(1000 * (after[name] - before[name]) / rows, 1) for name in after}
-            phases.append({"phase": kind, "seconds": round(seconds, 2), "rows_per_second": round(rows / seconds, 2),
-                           **cpu})  # fmt: skip
-            print(f"  {kind:8s} {seconds:7.2f} s  {rows / seconds:7.2f} rows/s   CPU ms/row: gateway "
-                  f"{cpu['gateway_cpu_ms_per_row']:5.1f}, upstream {cpu['upstream_cpu_ms_per_row']:5.1f}, client "
-                  f"{cpu['client_cpu_ms_per_row']:4.1f}", flush=True)  # fmt: skip
-    mean = {k: sum(p["rows_per_second"] for p in phases if p["phase"] == k) / 2 for k in ("direct", "gateway")}
+        for r in range(1, rounds + 1):
+            for kind in ("direct", "gateway", "gateway", "direct"):
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"client": time.process_time()}
+                if kind == "direct":
+                    seconds = run_direct(up.base_url, work, n)
+                else:
+                    seconds, batch = run_batch(client, work, poll)
+                    assert batch.status == "completed" and batch.request_counts.completed == rows, batch
+                after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"client": time.process_time()}
+                cpu = {f"{k}_cpu_ms_per_row": round(1000 * (after[k] - before[k]) / rows, 1) for k in after}
+                phases.append({"round": r, "phase": kind, "seconds": round(seconds, 2),
+                               "rows_per_second": round(rows / seconds, 2), **cpu})  # fmt: skip
+                print(f"  {r} {kind:8s} {seconds:7.2f} s  {rows / seconds:7.2f} rows/s   CPU ms/row: gateway "
+                      f"{cpu['gateway_cpu_ms_per_row']:5.1f}, upstream {cpu['upstream_cpu_ms_per_row']:5.1f}, client "
+                      f"{cpu['client_cpu_ms_per_row']:4.1f}", flush=True)  # fmt: skip
+
+    def ratio(of: list[dict[str, Any]]) -> float:
+        mean = {k: sum(p["rows_per_second"] for p in of if p["phase"] == k) for k in ("direct", "gateway")}
+        return round(mean["gateway"] / mean["direct"], 3)
+
+    per_round = [ratio([p for p in phases if p["round"] == r]) for r in range(1, rounds + 1)]
     return {"rows": rows, "max_in_flight": n, "max_tokens": max_tokens, "upstream_torch_threads": threads or "default",
-            "poll_seconds": poll, "phases": phases, "ratio": round(mean["gateway"] / mean["direct"], 3)}  # fmt: skip
+            "poll_seconds": poll, "rounds": rounds, "phases": phases, "ratio_per_round": per_round,
+            "ratio": ratio(phases)}  # fmt: skip
 
 
 def failover(model_dir: str, root: Path, rows: int, n: int, max_tokens: int) -> dict[str, Any]:
@@ -236,7 +250,7 @@ def fleet(root: Path, delay: float, seconds_each: float) -> list[dict[str, Any]]
 
 def ceiling(root: Path, rows: int, width: int) -> list[dict[str, Any]]:
     results = []
-    with FakeUpstream(model="fast", delay=0) as fast, gateway(root, "gw-ceiling", [f"f={fast.base_url};max_in_flight={width}"]) as gw:  # noqa: E501
+    with FakeUpstream(model="fast", delay=0) as fast, gateway(root, "gw-ceiling", [f"f={fast.base_url};max_in_flight={width}"], quick=False) as gw:  # noqa: E501
         client = gw.client(timeout=600)
         run_batch(client, bodies(20, "fast", 1))  # untimed warm-up
         for attempt in (1, 2):
@@ -263,6 +277,7 @@ def main() -> None:
     parser.add_argument("--upstream-threads", type=int, default=1,
                         help="torch threads of the overhead upstream's model (0: torch's default, one per core)")
     parser.add_argument("--poll", type=float, default=0.1, help="fastest poll of a batch, seconds (near its end)")
+    parser.add_argument("--rounds", type=int, default=3, help="ABBA rounds of the overhead run")
     parser.add_argument("--ceiling-rows", type=int, default=1000)
     parser.add_argument("--ceiling-width", type=int, default=16, help="max_in_flight of the ceiling run")
     parser.add_argument("--only", choices=("overhead", "failover", "fleet", "ceiling"), action="append")
@@ -278,9 +293,10 @@ def main() -> None:
             threads = args.upstream_threads or "torch's default"
             print(f"overhead: {args.rows} rows, N = {args.n}, ABBA, upstream torch threads: {threads}", flush=True)
             report["overhead"] = overhead(
-                model_dir, root, args.rows, args.n, args.max_tokens, args.upstream_threads, args.poll
+                model_dir, root, args.rows, args.n, args.max_tokens, args.upstream_threads, args.poll, args.rounds
             )
-            print(f"  gateway / direct = {report['overhead']['ratio']}", flush=True)
+            result = report["overhead"]
+            print(f"  gateway / direct = {result['ratio']} (per round: {result['ratio_per_round']})", flush=True)
         if "failover" in only:
             print("failover: two upstreams, one killed with SIGKILL at 10%", flush=True)
             report["failover"] = failover(model_dir, root, args.rows, args.n, args.max_tokens)
