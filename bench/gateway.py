@@ -32,6 +32,7 @@ Examples::
 
     .venv/bin/python bench/gateway.py                      # all four, 200 rows, N = 4
     .venv/bin/python bench/gateway.py --only overhead --upstream-threads 0   # torch's default threads upstream
+    .venv/bin/python bench/gateway.py --only overhead --upstream-threads 0 --upstream-env OMP_WAIT_POLICY=PASSIVE
     .venv/bin/python bench/gateway.py --only fleet --delay 0.2
 """
 
@@ -134,8 +135,10 @@ def run_direct(base_url: str, rows: list[dict[str, Any]], concurrency: int) -> f
     return seconds
 
 
-def upstream(model_dir: str, root: Path, name: str, threads: int = 0) -> ServerProcess:
-    env = {"MISERVER_TORCH_THREADS": str(threads)} if threads else None
+def upstream(
+    model_dir: str, root: Path, name: str, threads: int = 0, extra: dict[str, str] | None = None
+) -> ServerProcess:
+    env = ({"MISERVER_TORCH_THREADS": str(threads)} if threads else {}) | (extra or {})
     return ServerProcess(model=model_dir, served_model_name=MODEL, data_dir=root / name,
                          database_url=f"sqlite:///{root / name}.db", env=env)  # fmt: skip
 
@@ -151,10 +154,18 @@ def gateway(root: Path, name: str, entries: list[str], *, quick: bool = True) ->
 
 
 def overhead(
-    model_dir: str, root: Path, rows: int, n: int, max_tokens: int, threads: int, poll: float, rounds: int
+    model_dir: str,
+    root: Path,
+    rows: int,
+    n: int,
+    max_tokens: int,
+    threads: int,
+    poll: float,
+    rounds: int,
+    upstream_env: dict[str, str],
 ) -> dict[str, Any]:
     work = bodies(rows, MODEL, max_tokens)
-    with upstream(model_dir, root, "up-overhead", threads) as up, gateway(root, "gw-overhead", [f"u={up.base_url};max_in_flight={n}"], quick=False) as gw:  # noqa: E501
+    with upstream(model_dir, root, "up-overhead", threads, upstream_env) as up, gateway(root, "gw-overhead", [f"u={up.base_url};max_in_flight={n}"], quick=False) as gw:  # noqa: E501
         client = gw.client(timeout=600)
         warm = max(8, rows // 5)  # untimed warm-up of both paths (the upstream's first rows run slower)
         run_direct(up.base_url, work[:warm], n)
@@ -183,8 +194,8 @@ def overhead(
 
     per_round = [ratio([p for p in phases if p["round"] == r]) for r in range(1, rounds + 1)]
     return {"rows": rows, "max_in_flight": n, "max_tokens": max_tokens, "upstream_torch_threads": threads or "default",
-            "poll_seconds": poll, "rounds": rounds, "phases": phases, "ratio_per_round": per_round,
-            "ratio": ratio(phases)}  # fmt: skip
+            "upstream_env": upstream_env, "poll_seconds": poll, "rounds": rounds, "phases": phases,
+            "ratio_per_round": per_round, "ratio": ratio(phases)}  # fmt: skip
 
 
 def failover(model_dir: str, root: Path, rows: int, n: int, max_tokens: int) -> dict[str, Any]:
@@ -278,6 +289,8 @@ def main() -> None:
                         help="torch threads of the overhead upstream's model (0: torch's default, one per core)")
     parser.add_argument("--poll", type=float, default=0.1, help="fastest poll of a batch, seconds (near its end)")
     parser.add_argument("--rounds", type=int, default=3, help="ABBA rounds of the overhead run")
+    parser.add_argument("--upstream-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable of the overhead upstream (e.g. OMP_WAIT_POLICY=PASSIVE)")
     parser.add_argument("--ceiling-rows", type=int, default=1000)
     parser.add_argument("--ceiling-width", type=int, default=16, help="max_in_flight of the ceiling run")
     parser.add_argument("--only", choices=("overhead", "failover", "fleet", "ceiling"), action="append")
@@ -293,7 +306,8 @@ def main() -> None:
             threads = args.upstream_threads or "torch's default"
             print(f"overhead: {args.rows} rows, N = {args.n}, ABBA, upstream torch threads: {threads}", flush=True)
             report["overhead"] = overhead(
-                model_dir, root, args.rows, args.n, args.max_tokens, args.upstream_threads, args.poll, args.rounds
+                model_dir, root, args.rows, args.n, args.max_tokens, args.upstream_threads, args.poll, args.rounds,
+                dict(item.split("=", 1) for item in args.upstream_env),
             )
             result = report["overhead"]
             print(f"  gateway / direct = {result['ratio']} (per round: {result['ratio_per_round']})", flush=True)
