@@ -95,14 +95,14 @@ async def test_every_route_and_every_status_parses_strictly(
     assert (await client.files.content(f.id)).content == rows(3)
 
     # validating -> in_progress (held by the weights-torn flag) -> finalizing (held) -> completed
-    set_weights_torn(database_url, True)
+    await set_weights_torn(database_url, True)
     b = await client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"}
     )
     seen[b.status] = b
     seen["in_progress"] = await until(client, b.id, "in_progress", "weights_torn")
     release = hold_finishing(monkeypatch)
-    set_weights_torn(database_url, False)
+    await set_weights_torn(database_url, False)
     seen["finalizing"] = await until(client, b.id, "finalizing")
     release.set()
     seen["completed"] = await until(client, b.id, "completed")
@@ -117,7 +117,7 @@ async def test_every_route_and_every_status_parses_strictly(
     seen["failed"] = await until(client, failed.id, "failed")
 
     # cancelling -> cancelled (a batch held by the flag cannot finish before the cancel)
-    set_weights_torn(database_url, True)
+    await set_weights_torn(database_url, True)
     g = await client.files.create(file=("in.jsonl", rows(4)), purpose="batch")
     c = await client.batches.create(input_file_id=g.id, endpoint="/v1/chat/completions", completion_window="2h")
     await until(client, c.id, "in_progress", "weights_torn")
@@ -129,7 +129,7 @@ async def test_every_route_and_every_status_parses_strictly(
     await until(client, e.id, "in_progress", "weights_torn")
     clock.offset = 3600
     seen["expired"] = await until(client, e.id, "expired")
-    set_weights_torn(database_url, False)
+    await set_weights_torn(database_url, False)
 
     assert set(seen) == {
         "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"
@@ -162,7 +162,7 @@ async def test_cancel_during_finalizing_backlog_and_queued_batches(
 ) -> None:
     client, _ = sdk
     http = client._client  # the SDK's own HTTP client, for the miServer routes
-    set_weights_torn(database_url, True)
+    await set_weights_torn(database_url, True)
     f = await client.files.create(file=("in.jsonl", rows(5)), purpose="batch")
     first = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     await until(client, first.id, "in_progress", "weights_torn")
@@ -175,7 +175,7 @@ async def test_cancel_during_finalizing_backlog_and_queued_batches(
     # is held in finalizing, the second runs all its rows (its own finish is held too)
     second = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     release = hold_finishing(monkeypatch)
-    set_weights_torn(database_url, False)
+    await set_weights_torn(database_url, False)
     await until(client, first.id, "finalizing")
     for _ in range(1200):
         running = await client.batches.retrieve(second.id)

@@ -79,7 +79,7 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     default = await upload(api, batch_file(1))
     assert default["expires_at"] == default["created_at"] + 30 * 86400
     # an input file that a waiting batch still needs
-    set_weights_torn(database_url, True)
+    await set_weights_torn(database_url, True)
     needed = await upload(api, batch_file(2), **AN_HOUR)
     waiting = (await api.post("/v1/batches", json={"input_file_id": needed["id"], "endpoint": "/v1/chat/completions",
                                                    "completion_window": "168h"})).json()  # fmt: skip
@@ -94,7 +94,7 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     pruned = await api.app.state.miserver.runner.prune()  # type: ignore[attr-defined]
     assert expiring["id"] in pruned and needed["id"] not in pruned and default["id"] not in pruned
 
-    set_weights_torn(database_url, False)
+    await set_weights_torn(database_url, False)
     done = await poll(api, waiting["id"], lambda b: b["status"] == "completed")
     assert done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     # finished now: its input file may go
@@ -104,7 +104,7 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
 async def test_waiting_batch_expires_with_batch_expired_lines(
     api: httpx.AsyncClient, clock: Clock, database_url: str
 ) -> None:
-    set_weights_torn(database_url, True)
+    await set_weights_torn(database_url, True)
     f = await upload(api, batch_file(3))
     batch = (await api.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
                                                  "completion_window": "1h"})).json()  # fmt: skip

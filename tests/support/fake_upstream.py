@@ -5,7 +5,8 @@ thread per connection, so requests really overlap), and can misbehave on purpose
 first N completions with 503 and ``Retry-After: 0`` (then recovers), ``--cut-stream`` sends two chunks of a stream and
 closes the connection without ``[DONE]``, ``--error-chunk`` sends an error chunk inside a 200 stream, ``--envelope``
 picks the error dialect of the 503 (``openai``, ``sglang``, ``tgi``, ``ollama``). Every completion request's
-``X-Request-Id`` is appended to ``--log`` when given. Not a mock: the gateway talks to it over TCP like to any
+``X-Request-Id`` is appended to ``--log`` when given, and its last message's content to ``--content-log`` (which
+row was sent, how many times). Not a mock: the gateway talks to it over TCP like to any
 upstream.
 """
 
@@ -99,6 +100,9 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             if args.log:
                 with open(args.log, "a") as fh:
                     fh.write(f"{self.headers.get('X-Request-Id')}\n")
+            if args.content_log:
+                with lock, open(args.content_log, "a") as fh:
+                    fh.write(f"{body['messages'][-1]['content']}\n")
             if n <= args.fail_first:
                 self._json(503, ENVELOPES[args.envelope], {"Retry-After": "0"})
                 return
@@ -190,6 +194,7 @@ def main() -> None:
     parser.add_argument("--error-chunk", action="store_true")
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--log", default=None)
+    parser.add_argument("--content-log", default=None)
     args = parser.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args))
     server.daemon_threads = True

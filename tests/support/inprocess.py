@@ -35,16 +35,23 @@ def installed_clock() -> Iterator[Clock]:
         ids.set_clock(None)
 
 
-def set_weights_torn(database_url: str, torn: bool, model_id: str = "tiny") -> None:
-    """Set the store's weights-torn flag (the weights API that sets it comes later): batches wait while it is set."""
-    engine = sa.create_engine(database_url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("DELETE FROM model_state WHERE model_id = :m"), {"m": model_id})
-        conn.execute(
-            sa.text("INSERT INTO model_state (model_id, weights_torn, updated_at) VALUES (:m, :t, 0)"),
-            {"m": model_id, "t": torn},
-        )
-    engine.dispose()
+async def set_weights_torn(database_url: str, torn: bool, model_id: str = "tiny") -> None:
+    """Set the store's weights-torn flag behind the server's back (as another process would): batches wait while it
+    is set. The write runs on a thread of its own: run on the event loop it would block the in-process server, and a
+    transaction of the server's that was open then could never commit (SQLite: "database is locked")."""
+
+    def write() -> None:
+        sqlite = database_url.startswith("sqlite")
+        engine = sa.create_engine(database_url, connect_args={"timeout": 30} if sqlite else {})
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM model_state WHERE model_id = :m"), {"m": model_id})
+            conn.execute(
+                sa.text("INSERT INTO model_state (model_id, weights_torn, updated_at) VALUES (:m, :t, 0)"),
+                {"m": model_id, "t": torn},
+            )
+        engine.dispose()
+
+    await asyncio.to_thread(write)
 
 
 def hold_finishing(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:

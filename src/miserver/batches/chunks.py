@@ -113,8 +113,10 @@ async def grouped(
         try:
             async for outcome in outcomes:
                 queue.put_nowait(outcome)
-        except Exception as exc:
+        except BaseException as exc:  # handed to the consumer, which never waits for an end that cannot come
             queue.put_nowait(exc)
+            if not isinstance(exc, Exception):
+                raise
         else:
             queue.put_nowait(None)
 
