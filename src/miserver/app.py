@@ -16,6 +16,7 @@ from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .api import accounts as accounts_api
 from .api import anthropic as anthropic_api
@@ -59,16 +60,16 @@ class ServerErrors:
     nothing left to say, and the exception goes on.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
 
-        async def watch(message: dict[str, Any]) -> None:
+        async def watch(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)
@@ -87,11 +88,11 @@ class RequestIds:
     ``req_...``, and the time to its start is observed as interactive latency (``/metrics``, inference routes only).
     A plain ASGI wrapper: Starlette's ``BaseHTTPMiddleware`` costs a task and two memory streams per request."""
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -99,7 +100,7 @@ class RequestIds:
         path = scope.get("path", "")
         started = time.perf_counter()
 
-        async def with_id(message: dict[str, Any]) -> None:
+        async def with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.metrics.observe(path, time.perf_counter() - started)
                 MutableHeaders(scope=message)["x-request-id"] = rid
@@ -112,10 +113,10 @@ class TrailingSlash:
     """ASGI middleware: ``/v1/files/`` is routed as ``/v1/files`` (no route of miServer ends with a slash), so a
     trailing slash answers exactly what the route answers, never a redirect that would drop a POST body."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
             scope = {**scope, "path": path.rstrip("/") or "/"}

@@ -84,6 +84,15 @@ def error(response: httpx.Response) -> dict[str, Any]:
     return body["error"]  # type: ignore[no-any-return]
 
 
+def invalid_value_message(http: httpx.Client, path: str, body: dict[str, Any], param: str) -> str:
+    """POST ``body`` written by hand; assert a 400 ``invalid_value`` naming ``param``; return the error's message."""
+    response = post_raw(http, path, json.dumps(body))
+    assert response.status_code == 400, response.text
+    err = error(response)
+    assert (err["code"], err["param"]) == ("invalid_value", param), err
+    return err["message"]  # type: ignore[no-any-return]
+
+
 # -- §1 an internal error is an ordinary JSON 500 ---------------------------------------------------------------------
 
 
@@ -171,11 +180,7 @@ BATCH_CREATE = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "
 def test_unpaired_surrogates_are_400_naming_the_field(
     http: httpx.Client, path: str, body: dict[str, Any], param: str
 ) -> None:
-    response = post_raw(http, path, json.dumps(body))
-    assert response.status_code == 400, response.text
-    err = error(response)
-    assert (err["code"], err["param"]) == ("invalid_value", param)
-    assert "unpaired surrogate" in err["message"]
+    assert "unpaired surrogate" in invalid_value_message(http, path, body, param)
 
 
 def test_a_field_name_with_a_surrogate_and_a_body_nested_too_deeply(http: httpx.Client) -> None:
@@ -281,11 +286,8 @@ MESSAGE = {"model": "tiny", "max_tokens": 4, "messages": USER}
 def test_a_non_finite_number_is_400_saying_it_must_be_finite(
     http: httpx.Client, path: str, body: dict[str, Any], param: str
 ) -> None:
-    response = post_raw(http, path, json.dumps(body))
-    assert response.status_code == 400, response.text
-    err = error(response)
-    assert (err["code"], err["param"]) == ("invalid_value", param), err
-    assert err["message"] == f"Invalid value for '{param}': Input should be a finite number.", err
+    message = invalid_value_message(http, path, body, param)
+    assert message == f"Invalid value for '{param}': Input should be a finite number."
 
 
 def test_a_non_finite_number_in_anthropic_and_in_batch_lines(http: httpx.Client, sdk: openai.OpenAI) -> None:

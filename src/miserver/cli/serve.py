@@ -12,6 +12,32 @@ from ..settings import Settings
 from .base import P, R, _on_store, main
 
 
+def resident_options(command: Callable[P, R]) -> Callable[P, R]:
+    """``--data-dir``, ``--model`` and ``--served-model-name``, shared by ``serve`` and ``worker`` (in this order)."""
+    command = click.option(
+        "--served-model-name",
+        envvar="MISERVER_SERVED_MODEL_NAME",
+        show_envvar=True,
+        default=None,
+        help="Id to serve it under.",
+    )(command)
+    command = click.option(
+        "--model",
+        envvar="MISERVER_MODEL",
+        show_envvar=True,
+        default=None,
+        help="Catalogue id, transformers dir or .gguf file.",
+    )(command)
+    return click.option(
+        "--data-dir",
+        envvar="MISERVER_DATA_DIR",
+        show_envvar=True,
+        default="./var",
+        show_default=True,
+        type=click.Path(),
+    )(command)
+
+
 def upstream_options(command: Callable[P, R]) -> Callable[P, R]:
     """``--upstream NAME=URL`` (repeatable) and ``--no-model``, shared by ``serve`` and ``worker``."""
     command = click.option(
@@ -48,23 +74,7 @@ def _upstream_overrides(upstream: tuple[str, ...], no_model: bool | None) -> dic
 @click.option(
     "--database-url", envvar="MISERVER_DATABASE_URL", show_envvar=True, default=None, help="SQLite or PostgreSQL URL."
 )
-@click.option(
-    "--data-dir", envvar="MISERVER_DATA_DIR", show_envvar=True, default="./var", show_default=True, type=click.Path()
-)
-@click.option(
-    "--model",
-    envvar="MISERVER_MODEL",
-    show_envvar=True,
-    default=None,
-    help="Catalogue id, transformers dir or .gguf file.",
-)
-@click.option(
-    "--served-model-name",
-    envvar="MISERVER_SERVED_MODEL_NAME",
-    show_envvar=True,
-    default=None,
-    help="Id to serve it under.",
-)
+@resident_options
 @click.option(
     "--catalogue",
     envvar="MISERVER_CATALOGUE",
@@ -138,23 +148,7 @@ def serve(
     default=None,
     help="PostgreSQL URL shared with the server.",
 )
-@click.option(
-    "--data-dir", envvar="MISERVER_DATA_DIR", show_envvar=True, default="./var", show_default=True, type=click.Path()
-)
-@click.option(
-    "--model",
-    envvar="MISERVER_MODEL",
-    show_envvar=True,
-    default=None,
-    help="Catalogue id, transformers dir or .gguf file.",
-)
-@click.option(
-    "--served-model-name",
-    envvar="MISERVER_SERVED_MODEL_NAME",
-    show_envvar=True,
-    default=None,
-    help="Id to serve it under.",
-)
+@resident_options
 @click.option("--worker-id", default=None, help="Name in row claims (default: worker-<random>).")
 @click.option("--log-level", envvar="MISERVER_LOG_LEVEL", show_envvar=True, default="info", show_default=True)
 @upstream_options

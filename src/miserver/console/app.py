@@ -8,15 +8,14 @@ console opens at once as the single user (a session is still made, for its CSRF 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, MutableMapping
 from http.cookies import SimpleCookie
 from importlib import resources
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api.common import AppState
 from ..errors import APIError, AuthenticationError, NotFoundError
@@ -27,8 +26,6 @@ from .sessions import COOKIE, FailureLimit, Session, Sessions
 CSP = "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'self'"
 #: Paths (below ``/console``) served without a session.
 OPEN_PATHS = ("/signin", "/static/")
-
-ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
 class ConsoleState:
@@ -97,13 +94,13 @@ class ConsoleAuth:
         self.app = app
         self.cs = cs
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         new_cookie: list[Session] = []
 
-        async def send_with_headers(message: MutableMapping[str, Any]) -> None:
+        async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 headers += [
@@ -148,8 +145,14 @@ class ConsoleAuth:
                 answer = RedirectResponse(f"/console/signin?next={_quote(target)}", status_code=303)
             else:
                 answer = JSONResponse(
-                    {"error": {"message": "Sign in to the console first.", "type": "invalid_request_error",
-                               "param": None, "code": "not_signed_in"}},
+                    {
+                        "error": {
+                            "message": "Sign in to the console first.",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": "not_signed_in",
+                        }
+                    },
                     status_code=401,
                 )
             await answer(scope, receive, send_with_headers)
@@ -213,7 +216,7 @@ class ConsoleRoot:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") == "/console":
             scope = {**scope, "path": "/console/", "raw_path": b"/console/"}
         await self.app(scope, receive, send)
