@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from sqlalchemy import event
 from sqlalchemy.exc import IntegrityError
 
 from miserver.store import Store
@@ -224,6 +225,49 @@ async def test_file_bytes_round_trip_in_chunks(store: Store) -> None:
     assert rec.bytes == len(payload)
     got = b"".join([c async for c in store.file_content("file-big")])
     assert got == payload
+
+
+async def test_a_download_cut_in_the_middle_of_a_read_leaves_the_connection_good(store: Store) -> None:
+    """A reader cancelled while a piece is being read (a client that disconnects from a download: Starlette cancels
+    the response's task) lets the read finish; the connection goes back to the pool instead of being invalidated
+    (SQLAlchemy invalidates a connection whose statement a cancellation cut, and aiosqlite leaves a closing task that
+    asyncio reports as destroyed)."""
+    pieces = [bytes([i]) * 1000 for i in range(3)]
+    async with store.tx() as conn:
+        await sf.insert_file(
+            conn, file_id="file-cut", purpose="batch", filename="cut.jsonl", created_at=1, expires_at=None,
+            chunks=pieces, owner_key_id=None,
+        )  # fmt: skip
+    invalidated: list[object] = []
+    reads = 0
+    reader: asyncio.Task[list[bytes]] | None = None
+
+    def on_invalidate(_dbapi_conn: object, _record: object, exc: object) -> None:
+        invalidated.append(exc)
+
+    def on_execute(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
+        nonlocal reads
+        if "file_chunks" in statement:
+            reads += 1
+            if reads == 2 and reader is not None:
+                reader.cancel()  # delivered while the second piece's read is in flight
+
+    event.listen(store.engine.sync_engine, "invalidate", on_invalidate)
+    event.listen(store.engine.sync_engine, "before_cursor_execute", on_execute)
+    try:
+
+        async def read_all() -> list[bytes]:
+            return [piece async for piece in store.file_content("file-cut")]
+
+        reader = asyncio.create_task(read_all())
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert b"".join([c async for c in store.file_content("file-cut")]) == b"".join(pieces)
+    finally:
+        event.remove(store.engine.sync_engine, "invalidate", on_invalidate)
+        event.remove(store.engine.sync_engine, "before_cursor_execute", on_execute)
+    assert reads >= 2
+    assert invalidated == []
 
 
 async def test_list_files_pages_without_gaps(store: Store) -> None:

@@ -518,13 +518,15 @@ class BatchRunner:
         renew the lease the batch runs under, so that a chunk longer than the lease's TTL (a slow or loaded machine)
         does not let the lease lapse and another batch take the model between two of this batch's chunks."""
 
+        async def extend() -> None:
+            async with self.store.tx() as conn:
+                until = now_ms() + self.claim_ttl_ms
+                await store_rows.extend_claim(conn, batch_id=batch_id, token=token, until_ms=until)
+
         async def beat() -> None:
             while True:
                 await asyncio.sleep(self.claim_ttl_ms / 3000)
-                async with self.store.tx() as conn:
-                    await store_rows.extend_claim(
-                        conn, batch_id=batch_id, token=token, until_ms=now_ms() + self.claim_ttl_ms
-                    )
+                await self.store.finish(extend())  # the chunk's end cancels the beat; an extend under way completes
                 if lease is not None:
                     with contextlib.suppress(APIError):  # released or taken meanwhile: the next pass decides
                         self.ctx.leases.renew(lease)

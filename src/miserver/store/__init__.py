@@ -8,12 +8,16 @@ never touches the engine.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from . import db, files
+
+T = TypeVar("T")
 
 
 class Store:
@@ -31,6 +35,7 @@ class Store:
         #: Set once this process has seen an API key in the database. Keys are never deleted (a revoked key stays),
         #: so it never goes back to False and authentication need not ask again (``services.accounts``).
         self.keys_exist = False
+        self._finishing: set[asyncio.Task[Any]] = set()
 
     @classmethod
     async def open(cls, url: str, *, migrate: bool = True, lock: bool = False) -> Store:
@@ -60,10 +65,27 @@ class Store:
         async with self.engine.connect() as conn:
             yield conn
 
-    def file_content(self, file_id: str) -> AsyncIterator[bytes]:
+    async def finish(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` (a unit of work on this store) to its end even when the caller is cancelled meanwhile, and
+        return its result; a cancelled caller gets ``CancelledError`` at once while ``work`` goes on.
+
+        For store work in code that a cancellation can interrupt: a streamed response whose client disconnects
+        (Starlette cancels its task), a heartbeat stopped when its chunk ends. A statement cut by a cancellation
+        makes SQLAlchemy invalidate the connection (and, on aiosqlite, leave a closing task that asyncio reports as
+        destroyed); a write cut there is lost. :meth:`close` waits for the work still running."""
+        task = asyncio.ensure_future(work)
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+        return await asyncio.shield(task)
+
+    async def file_content(self, file_id: str) -> AsyncIterator[bytes]:
         """The bytes of file ``file_id`` in its stored pieces (1 MiB), one short read per piece: bounded memory and
-        no transaction held between pieces (a slow reader never blocks writers). Yields nothing for no such file."""
-        return files.iter_content(self.engine, file_id)
+        no transaction held between pieces (a slow reader never blocks writers). Yields nothing for no such file.
+        Each read runs to its end (:meth:`finish`) when the reader goes away in the middle (a download cut off)."""
+        seq = 0
+        while (piece := await self.finish(files.read_piece(self.engine, file_id, seq))) is not None:
+            yield piece
+            seq += 1
 
     @property
     def skip_locked(self) -> bool:
@@ -71,7 +93,10 @@ class Store:
         return not self.is_sqlite
 
     async def close(self) -> None:
-        """Dispose of the engine's connections and release the SQLite process lock, if held."""
+        """Wait for the work of :meth:`finish` still running, dispose of the engine's connections and release the
+        SQLite process lock, if held."""
+        if self._finishing:
+            await asyncio.gather(*self._finishing, return_exceptions=True)
         await self.engine.dispose()
         if self._lock is not None:
             self._lock.release()

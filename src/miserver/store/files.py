@@ -6,7 +6,7 @@ Every function takes an open connection so that callers can join file writes to 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,23 +188,16 @@ async def delete_file(conn: AsyncConnection, file_id: str) -> bool:
     return result.rowcount > 0
 
 
-async def iter_content(engine: AsyncEngine, file_id: str) -> AsyncIterator[bytes]:
-    """Yield a file's bytes chunk by chunk, one short read per chunk (bounded memory, no long transaction).
+async def read_piece(engine: AsyncEngine, file_id: str, seq: int) -> bytes | None:
+    """Piece ``seq`` (from 0) of a file's bytes, in one short read of its own; None past the last piece (or for no
+    such file).
 
-    Outside ``store/`` call :meth:`miserver.store.Store.file_content`, which owns the engine.
+    Outside ``store/`` call :meth:`miserver.store.Store.file_content`, which owns the engine and reads every piece.
     """
-    seq = 0
-    while True:
-        async with engine.connect() as conn:
-            data = (
-                await conn.execute(
-                    select(file_chunks.c.data).where(file_chunks.c.file_id == file_id, file_chunks.c.seq == seq)
-                )
-            ).scalar()
-        if data is None:
-            return
-        yield bytes(data)
-        seq += 1
+    async with engine.connect() as conn:
+        piece = select(file_chunks.c.data).where(file_chunks.c.file_id == file_id, file_chunks.c.seq == seq)
+        data = (await conn.execute(piece)).scalar()
+    return None if data is None else bytes(data)
 
 
 async def prune_expired_content(conn: AsyncConnection, now: int) -> list[str]:
