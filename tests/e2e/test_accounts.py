@@ -225,6 +225,40 @@ def test_prices_usage_records_and_batch_usage(accounts: Accounts) -> None:
     assert body["estimated_cost"] == body["input_tokens"] + 2 * 12 and body["estimated_cost_is_upper_bound"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "first_events"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 400}, 4),
+        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400}, 3),
+        ("/anthropic/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400}, 4),
+        ("/v1/responses", {"input": "Hello", "max_output_tokens": 400}, 6),
+    ],
+)
+def test_a_stream_cut_by_its_client_is_charged_for_what_it_made(
+    accounts: Accounts, path: str, body: dict[str, Any], first_events: int
+) -> None:
+    """A client that reads a few events of a long stream and hangs up is charged for the prompt and the tokens made
+    until then: its usage record comes although the stream never reached its end (before: nothing was recorded)."""
+    http = accounts.http
+    _key_id, key, _client = accounts.key(f"cut-{path.rsplit('/', 1)[-1]}", balance=10_000_000)
+    events = 0
+    with httpx.Client(base_url=http.base_url, timeout=60) as own:
+        with own.stream("POST", path, json={"model": "tiny", "stream": True, **body}, headers=_auth(key)) as answer:
+            assert answer.status_code == 200
+            for line_ in answer.iter_lines():
+                if line_.startswith("data:"):
+                    assert "[DONE]" not in line_ and '"finish_reason": "length"' not in line_
+                    events += 1
+                    if events == first_events:
+                        break  # hang up in the middle
+    assert events == first_events
+    wait_for(lambda: total(usage_of(http, key, kind="realtime"), "requests") == 1, timeout=30)
+    charged = usage_of(http, key, kind="realtime")
+    assert total(charged, "input_tokens") > 0
+    assert 0 < total(charged, "output_tokens") < 400
+    assert total(charged, "cost") == 2 * total(charged, "input_tokens") + 4 * total(charged, "output_tokens")
+
+
 def test_balance_runs_out_mid_batch(accounts: Accounts) -> None:
     http = accounts.http
     opening = 40  # micro-units: a few rows of about 15 input tokens + 2 output tokens each

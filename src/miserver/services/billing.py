@@ -18,6 +18,7 @@ after its success, keyed by its request id) and by the batch runner in the trans
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -217,20 +218,30 @@ def billed(endpoint: str, create: Create) -> Create:
 
         async def events() -> AsyncIterator[str]:
             # The last event is held back until the usage is recorded, so a client that has read the whole stream
-            # can already see its usage.
+            # can already see its usage. A client that goes away midway (its response task cancelled, or the
+            # stream closed) is charged for the tokens computed until then.
             seen: tuple[int, int] | None = None  # Anthropic's stream tells input and output in separate events
             held: str | None = None
-            async for payload in result.events:
-                found = _stream_usage(payload)
-                if found is not None:
-                    seen = found if seen is None else (max(seen[0], found[0]), max(seen[1], found[1]))
-                if held is not None:
-                    yield held
-                held = payload
+            try:
+                async for payload in result.events:
+                    found = _stream_usage(payload)
+                    if found is not None:
+                        seen = found if seen is None else (max(seen[0], found[0]), max(seen[1], found[1]))
+                    if held is not None:
+                        yield held
+                    held = payload
+            except (asyncio.CancelledError, GeneratorExit):
+                so_far = (result.usage.prompt_tokens, result.usage.completion_tokens)
+                if seen is not None:
+                    so_far = (max(so_far[0], seen[0]), max(so_far[1], seen[1]))
+                if any(so_far):  # runs to its end although this task is being cancelled
+                    charge = record_realtime(store, prices, principal, endpoint, model, *so_far, random_id("req_"))
+                    await store.finish(charge)
+                raise
             if result.usage.known:  # the producer's own count, whether or not the client asked to see usage
                 seen = (result.usage.prompt_tokens, result.usage.completion_tokens)
             if seen is not None:
-                await record_realtime(store, prices, principal, endpoint, model, *seen, random_id("req_"))
+                await store.finish(record_realtime(store, prices, principal, endpoint, model, *seen, random_id("req_")))
             if held is not None:
                 yield held
 

@@ -247,6 +247,7 @@ async def _stream(
             yield chunk([ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))])
         async for delta in engine.generate_stream(gen):
             completion_tokens += delta.generated_tokens
+            counted.progress(len(gen.prompt_ids), completion_tokens)
             logprobs = (
                 ChoiceLogprobs(content=[_logprob(lp) for lp in delta.logprobs])
                 if gen.params.logprobs is not None and delta.logprobs

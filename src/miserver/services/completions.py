@@ -287,6 +287,7 @@ async def _stream(
                     yield event([choice])
             async for delta in engine.generate_stream(gen):
                 completion_tokens += delta.generated_tokens
+                counted.progress(prompt_tokens, completion_tokens)
                 index = p_index * gen.n + delta.index
                 logprobs = None
                 if req.logprobs is not None and delta.logprobs:

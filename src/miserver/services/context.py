@@ -35,15 +35,21 @@ class ServiceResult:
 
 @dataclass
 class StreamUsage:
-    """Token counts of a stream, filled in by its producer when the stream has ended (``known`` then true).
+    """Token counts of a stream, kept by its producer as tokens are generated (:meth:`progress`) and final once the
+    stream has ended (:meth:`set`, ``known`` then true).
 
     A stream reports usage to the client only when asked (``stream_options.include_usage``); this holder is filled
-    either way, so that billing never depends on what the client asked to see.
+    either way, so that billing never depends on what the client asked to see. The counts so far are what a client
+    that goes away in the middle of the stream is charged for.
     """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     known: bool = False
+
+    def progress(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """The counts so far (tokens): the prompt tokens computed and the tokens generated until now."""
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
 
     def set(self, prompt_tokens: int, completion_tokens: int) -> None:
         """Record the stream's final counts (tokens)."""

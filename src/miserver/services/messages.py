@@ -45,7 +45,7 @@ from ..protocol.anthropic import (
 )
 from ..protocol.common import carried_fields, parse_request
 from . import chat
-from .context import Call, ServiceContext, ServiceResult, StreamResult
+from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage
 
 log = logging.getLogger("miserver.services")
 
@@ -178,7 +178,8 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     req, p = _prepare(ctx, body, call)
     message_id = random_id("msg_")
     if req.stream:
-        return StreamResult(_stream(ctx, p, call, message_id), p.headers)
+        counted = StreamUsage()
+        return StreamResult(_stream(ctx, p, call, message_id, counted), p.headers, counted)
     result = await chat.run_prepared(ctx, p, call)
     message = _message(message_id, p.engine.info.model_id, result)
     return ServiceResult(200, message.model_dump(), p.headers, result.prompt_tokens, result.completion_tokens)
@@ -189,7 +190,9 @@ def _frame(event: BaseModel) -> str:
     return f"event: {payload['type']}\ndata: {json.dumps(payload)}"
 
 
-async def _stream(ctx: ServiceContext, p: chat._Prepared, call: Call, message_id: str) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServiceContext, p: chat._Prepared, call: Call, message_id: str, counted: StreamUsage
+) -> AsyncIterator[str]:
     model = p.engine.info.model_id
     prompt_tokens = len(p.gen.prompt_ids)
     start = Message(
@@ -209,6 +212,7 @@ async def _stream(ctx: ServiceContext, p: chat._Prepared, call: Call, message_id
         async with ctx.gate.hold(call.priority, call.slot):
             async for delta in p.engine.generate_stream(p.gen):
                 output_tokens += delta.generated_tokens
+                counted.progress(prompt_tokens, output_tokens)
                 if delta.text:
                     yield _frame(ContentBlockDeltaEvent(index=0, delta=TextDelta(text=delta.text)))
                 if delta.finish_reason is not None:
@@ -219,6 +223,7 @@ async def _stream(ctx: ServiceContext, p: chat._Prepared, call: Call, message_id
         error = ServerError(SERVER_ERROR_MESSAGE).anthropic_envelope()
         yield f"event: error\ndata: {json.dumps(error)}"
         return
+    counted.set(prompt_tokens, output_tokens)
     yield _frame(ContentBlockStopEvent(index=0))
     usage = MessageDeltaUsage(output_tokens=output_tokens)
     yield _frame(MessageDeltaEvent(delta=MessageDelta(stop_reason=reason, stop_sequence=stop_sequence), usage=usage))

@@ -254,7 +254,8 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     except APIError as exc:
         raise _from_chat(exc) from None
     if isinstance(result, StreamResult):
-        return StreamResult(_stream(ctx, req, turns, result, ids, created), result.headers)
+        # the chat stream's own counts (result.usage) bill this stream, also when its client goes away midway
+        return StreamResult(_stream(ctx, req, turns, result, ids, created), result.headers, result.usage)
     choice = result.body["choices"][0]
     text = choice["message"]["content"] or ""
     response = _response(
