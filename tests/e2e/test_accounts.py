@@ -242,15 +242,18 @@ def test_a_stream_cut_by_its_client_is_charged_for_what_it_made(
     http = accounts.http
     _key_id, key, _client = accounts.key(f"cut-{path.rsplit('/', 1)[-1]}", balance=10_000_000)
     events = 0
-    with httpx.Client(base_url=http.base_url, timeout=60) as own:
-        with own.stream("POST", path, json={"model": "tiny", "stream": True, **body}, headers=_auth(key)) as answer:
-            assert answer.status_code == 200
-            for line_ in answer.iter_lines():
-                if line_.startswith("data:"):
-                    assert "[DONE]" not in line_ and '"finish_reason": "length"' not in line_
-                    events += 1
-                    if events == first_events:
-                        break  # hang up in the middle
+    request = {"model": "tiny", "stream": True, **body}
+    with (
+        httpx.Client(base_url=http.base_url, timeout=60) as own,
+        own.stream("POST", path, json=request, headers=_auth(key)) as answer,
+    ):
+        assert answer.status_code == 200
+        for line_ in answer.iter_lines():
+            if line_.startswith("data:"):
+                assert "[DONE]" not in line_ and '"finish_reason": "length"' not in line_
+                events += 1
+                if events == first_events:
+                    break  # hang up in the middle
     assert events == first_events
     wait_for(lambda: total(usage_of(http, key, kind="realtime"), "requests") == 1, timeout=30)
     charged = usage_of(http, key, kind="realtime")

@@ -161,6 +161,13 @@ def test_a_line_naming_a_model_nobody_serves_fails_the_batch_at_validation(clien
     assert "'nobody'" in (entry.message or "") and f"'{UP}'" in (entry.message or "")  # upstream models listed
     counts = done.request_counts
     assert counts is not None and counts.completed == 0 and counts.total == 5
+    # every line is accounted for: the invalid one with its error, the valid ones never ran because the batch
+    # failed (nobody cancelled it)
+    errors = read_lines(client, done.error_file_id)
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("r0", "batch_failed"), ("r1", "batch_failed"), ("r2", "batch_failed"), ("nobody", "model_not_found"),
+        ("r3", "batch_failed"),
+    ]  # fmt: skip
 
 
 def test_a_batch_that_expires_while_its_pool_is_down(fleet: dict[str, Any], client: openai.OpenAI) -> None:

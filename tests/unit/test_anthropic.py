@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from miserver.batches.output import failure_line, invalid_line, unrun_line
+from miserver.batches.output import UNRUN_MESSAGES, failure_line, invalid_line, unrun_line
 from miserver.batches.validate import check_line
 from miserver.engines.base import EngineInfo, SamplingParams
 from miserver.engines.local.generate import sample
@@ -304,6 +304,15 @@ def test_result_lines() -> None:
     assert json.loads(message_batches.result_line(json.loads(unrun_line("d", "batch_expired"))))["result"] == {
         "type": "expired"
     }
+    # a request left unrun by its batch's failure (or its key's) was not canceled by anybody: errored, with why
+    for code, kind in (
+        ("batch_failed", "invalid_request_error"),
+        ("insufficient_quota", "billing_error"),
+        ("key_revoked", "authentication_error"),
+    ):
+        result = json.loads(message_batches.result_line(json.loads(unrun_line("e", code))))["result"]
+        assert result["type"] == "errored" and result["error"]["error"]["type"] == kind, result
+        assert result["error"]["error"]["message"] == UNRUN_MESSAGES[code]
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,7 @@ def test_every_failed_line_fills_error(ctx: ServiceContext) -> None:
     run_time = json.loads(failure_line("b", err))
     assert run_time["error"] == {"code": err.code, "message": err.message} and "millm" not in run_time
     assert run_time["response"]["body"] == err.envelope()
-    for code in ("batch_cancelled", "batch_expired"):
+    for code in ("batch_cancelled", "batch_expired", "batch_failed", "insufficient_quota", "key_revoked"):
         unrun = json.loads(unrun_line("c", code))
         assert unrun["response"] is None and unrun["error"]["code"] == code and unrun["error"]["message"]
 

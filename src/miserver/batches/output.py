@@ -28,6 +28,8 @@ from ..store.batches import BatchRecord
 UNRUN_MESSAGES = {
     "batch_cancelled": "The batch was cancelled before this request ran.",
     "batch_expired": "The batch expired before this request ran.",
+    "batch_failed": "The batch failed validation before this request ran (see the batch's errors for the lines "
+    "that failed it); this request was not run and not charged.",
     "insufficient_quota": "The balance of the batch's API key ran out before this request ran; it was not charged.",
     "key_revoked": "The batch's API key was revoked before this request ran; it was not charged.",
 }
@@ -89,7 +91,8 @@ def _error_line(
 
 
 def unrun_line(custom_id: str | None, code: str) -> str:
-    """The error line of a row that never ran (``batch_cancelled`` or ``batch_expired``)."""
+    """The error line of a row that never ran: ``code`` is a key of :data:`UNRUN_MESSAGES` (``batch_cancelled``,
+    ``batch_expired``, ``batch_failed``, ``insufficient_quota``, ``key_revoked``); KeyError for another."""
     return _dump(
         BatchOutputLine(
             id=random_id("batch_req_"),
@@ -130,7 +133,8 @@ async def _write_files(
             assert row.result is not None
             text, ok = row.result, row.outcome == "ok"
         else:
-            text, ok = unrun_line(row.custom_id, unrun_code or "batch_cancelled"), False
+            assert unrun_code is not None, f"batch {batch.id} finishes with a pending row and no reason for it"
+            text, ok = unrun_line(row.custom_id, unrun_code), False
         await (await writer("output" if ok else "error")).write(text.encode("utf-8") + b"\n")
         completed += ok
         failed += not ok

@@ -358,7 +358,7 @@ class Validator:
                     current,
                     allowed=("validating",),
                     to="failed",
-                    unrun_code="batch_cancelled",
+                    unrun_code="batch_failed",  # the valid lines never ran: the batch failed, nobody cancelled it
                     file_expiry_seconds=self.settings.file_default_expiry_seconds,
                     extra={"errors": listed[: MAX_LISTED_ERRORS + 1]},
                 )

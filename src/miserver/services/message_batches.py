@@ -90,14 +90,15 @@ def _ended_at(b: BatchRecord) -> int | None:
 
 def request_counts(b: BatchRecord, unrun: int) -> MessageBatchRequestCounts:
     """The counts of a batch: ``unrun`` is its rows never run (counted once it has ended: ``expired`` for an
-    expired batch, ``canceled`` otherwise). Before validation has counted the lines, the number of requests this API
-    wrote is ``processing``."""
+    expired batch, ``canceled`` for a cancelled one, ``errored`` for one that failed, as :func:`result_line` reads
+    them). Before validation has counted the lines, the number of requests this API wrote is ``processing``."""
     if b.status in TERMINAL:
         expired = unrun if b.status == "expired" else 0
-        canceled = unrun - expired
+        canceled = unrun if b.status == "cancelled" else 0
         return MessageBatchRequestCounts(
-            processing=0, succeeded=b.completed, errored=b.failed - unrun, canceled=canceled, expired=expired
-        )
+            processing=0, succeeded=b.completed, errored=b.failed - expired - canceled, canceled=canceled,
+            expired=expired,
+        )  # fmt: skip
     total = b.total or int((b.metadata or {}).get(REQUESTS_KEY, "0"))
     return MessageBatchRequestCounts(
         processing=max(total - b.completed - b.failed, 0),
@@ -338,15 +339,29 @@ def _error_body(line: dict[str, Any]) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+#: Anthropic's error type for a request its batch left unrun for a reason other than a cancel or the expiry.
+UNRUN_ERROR_TYPES = {
+    "batch_failed": "invalid_request_error",
+    "insufficient_quota": "billing_error",
+    "key_revoked": "authentication_error",
+}
+
+
 def result_line(line: dict[str, Any]) -> bytes:
     """One result of Anthropic's shape from one line of a batch's output or error file: ``succeeded`` with the
-    Message, ``errored`` with the route's error body, ``canceled`` or ``expired`` for a request never run."""
+    Message, ``errored`` with the route's error body, ``canceled`` or ``expired`` for a request never run (a
+    request left unrun by its batch's failure, or its key's, is ``errored`` with the reason)."""
     custom_id = line.get("custom_id") or f"line-{(line.get('millm') or {}).get('line', 0)}"
     if line.get("error") is None:
         result: dict[str, Any] = {"type": "succeeded", "message": line["response"]["body"]}
     elif line.get("response") is None:
         code = line["error"].get("code")
-        result = {"type": "expired" if code == "batch_expired" else "canceled"}
+        if code in ("batch_expired", "batch_cancelled"):
+            result = {"type": "expired" if code == "batch_expired" else "canceled"}
+        else:
+            kind = UNRUN_ERROR_TYPES.get(code, "invalid_request_error")
+            message = line["error"].get("message") or "The request was not run."
+            result = {"type": "errored", "error": {"type": "error", "error": {"type": kind, "message": message}}}
     else:
         result = {"type": "errored", "error": _error_body(line)}
     return json.dumps({"custom_id": custom_id, "result": result}, ensure_ascii=False).encode("utf-8")
