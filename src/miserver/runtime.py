@@ -14,7 +14,8 @@ from typing import Any
 
 from .batches.runner import BatchRunner
 from .engines.base import Engine, GenerationRequest, PoolRequest
-from .engines.upstream import Gateway, RetryPolicy, Timeouts, start_gateway
+from .engines.upstream import Gateway, KnownUpstream, RetryPolicy, ServedModel, Timeouts, start_gateway
+from .ids import now
 from .scheduler import AdmissionGate
 from .services.billing import PriceTable
 from .services.catalogue import Catalogue, CatalogueEntry, read_catalogue_file
@@ -24,6 +25,7 @@ from .services.residency import Residency
 from .services.weights import WeightWrites
 from .settings import EMBEDDED_MODEL_ID, Settings
 from .store import Store
+from .store import upstreams as store_upstreams
 
 EngineFactory = Callable[[Settings], Awaitable[Engine]]
 
@@ -71,8 +73,13 @@ def stable_worker_id(data_dir: Path, role: str) -> str:
         return name
 
 
-async def start_upstreams(settings: Settings) -> Gateway | None:
-    """The gateway to the upstreams of ``settings.upstreams`` (None when none is configured), probed once."""
+async def start_upstreams(settings: Settings, store: Store | None = None) -> Gateway | None:
+    """The gateway to the upstreams of ``settings.upstreams`` (None when none is configured), probed once.
+
+    With ``store``, discovery is remembered there (``store.upstreams``): the gateway starts from the model lists of
+    the last run (an upstream down now keeps its pools, down: its rows wait and synchronous requests get 503) and
+    writes each list a probe finds changed.
+    """
     timeouts = Timeouts(
         connect=settings.upstream_connect_timeout,
         first_byte=settings.upstream_first_byte_timeout,
@@ -80,12 +87,30 @@ async def start_upstreams(settings: Settings) -> Gateway | None:
         total=settings.upstream_total_timeout,
     )
     policy = RetryPolicy(max_attempts=settings.upstream_max_attempts, base=settings.upstream_backoff_seconds)
+    known: dict[str, KnownUpstream] = {}
+    on_models = None
+    if store is not None and settings.upstreams:
+        async with store.read() as conn:
+            stored = await store_upstreams.list_upstreams(conn)
+        known = {
+            u.name: KnownUpstream(u.base_url, tuple(ServedModel(m.id, m.context_length) for m in u.models))
+            for u in stored
+        }
+
+        async def remember(name: str, base_url: str, models: list[ServedModel]) -> None:
+            async with store.tx() as conn:
+                pairs = [(m.id, m.context_length) for m in models]
+                await store_upstreams.replace_models(conn, name, base_url, pairs, now())
+
+        on_models = remember
     return await start_gateway(
         [settings.upstreams],
         timeouts,
         policy,
         default_max_in_flight=settings.upstream_max_in_flight,
         health_seconds=settings.upstream_health_seconds,
+        known=known,
+        on_models=on_models,
     )
 
 
@@ -178,7 +203,7 @@ async def start_runtime(
         await catalogue.refresh()
         await checkpoints.refresh()
         await weights.load_flag()  # a crash mid-write left the resident weights torn: they stay so until restored
-        ctx.gateway = await start_upstreams(settings)
+        ctx.gateway = await start_upstreams(settings, store)
     except BaseException:
         if engine is not None:
             await engine.close()

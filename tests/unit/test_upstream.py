@@ -15,8 +15,16 @@ import pytest
 from miserver.engines.upstream.client import ServedModel, Upstream, read_models
 from miserver.engines.upstream.config import Timeouts, parse_entry, parse_upstreams
 from miserver.engines.upstream.errors import normalize_error, stream_error
-from miserver.engines.upstream.pool import Gateway, RetryPolicy, UpstreamPool, retry_after, send
-from miserver.errors import UpstreamUnavailableError
+from miserver.engines.upstream.pool import (
+    Gateway,
+    KnownUpstream,
+    OnModels,
+    RetryPolicy,
+    UpstreamPool,
+    retry_after,
+    send,
+)
+from miserver.errors import ModelNotFoundError, UpstreamUnavailableError
 from miserver.scheduler import AdmissionGate
 from miserver.services import gateway as service
 from miserver.services.chat import parse
@@ -204,3 +212,118 @@ async def test_a_stream_through_the_gateway_is_counted_whether_or_not_the_client
                                                               "total_tokens": 9}] if include_usage else [])  # fmt: skip
     assert (result.usage.known, result.usage.prompt_tokens, result.usage.completion_tokens) == (True, 7, 2)
     await gw.upstreams[0].close()
+
+
+class _Listing:
+    """An upstream's ``GET /v1/models`` from an injected transport: ``models`` is what it lists; None: down (every
+    request's connection refused)."""
+
+    def __init__(self, models: list[str] | None) -> None:
+        self.models = models
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.models is None:
+            raise httpx.ConnectError("All connection attempts failed", request=request)
+        data = [{"id": m, "max_model_len": 64} for m in self.models]
+        return httpx.Response(200, json={"object": "list", "data": data})
+
+
+def _gateway(
+    listings: dict[str, _Listing], known: dict[str, KnownUpstream] | None = None, on_models: OnModels | None = None
+) -> Gateway:
+    """A gateway of one upstream per ``listings`` entry (``name=http://name.test:1``), each answering from it."""
+    configs = [parse_entry(f"{n}=http://{n}.test:1") for n in listings]
+    policy = RetryPolicy(max_attempts=1, base=0.001)
+    gw = Gateway(configs, Timeouts(), policy, known=known, on_models=on_models)
+    for upstream in gw.upstreams:
+        transport = httpx.MockTransport(listings[upstream.name])
+        upstream.client = httpx.AsyncClient(base_url=upstream.config.base_url, transport=transport)
+    return gw
+
+
+async def test_a_remembered_list_seeds_only_an_upstream_of_the_same_name_and_url() -> None:
+    """Both upstreams are down at start. ``a`` is remembered at its URL: its pool exists, down (a row waits: 503,
+    not 404); ``b`` is remembered at another URL: not seeded, its models unknown, so the 404 names it."""
+    known = {
+        "a": KnownUpstream("http://a.test:1/v1", (ServedModel("m", 4096),)),
+        "b": KnownUpstream("http://old-b.test:1/v1", (ServedModel("n"),)),
+    }
+    gw = _gateway({"a": _Listing(None), "b": _Listing(None)}, known=known)
+    await gw.refresh()
+    pool = gw.pool("m")
+    assert pool is not None and pool.members == gw.upstreams[:1] and not pool.live
+    assert pool.info.context_length == 4096
+    assert gw.pool("n") is None and gw.unknown_upstreams() == ["b"]
+    with pytest.raises(UpstreamUnavailableError, match="No upstream serving 'm' is reachable now"):
+        await send(pool, "/chat/completions", {"model": "m"}, request_id="r", policy=gw.policy,
+                   deadline=time.monotonic() + 60, defer_at_deadline=False)  # fmt: skip
+    ctx = ServiceContext(engine=None, gate=AdmissionGate(), gateway=gw)
+    with pytest.raises(ModelNotFoundError) as caught:
+        ctx.resolve_model("n")
+    assert caught.value.message == (
+        "The model 'n' does not exist or you do not have access to it. Models served: 'm'. Upstream 'b' has not "
+        "answered GET /v1/models yet; its models are not known."
+    )
+    await gw.close()
+
+
+async def test_the_404_names_every_upstream_that_has_not_answered_and_none_once_they_have() -> None:
+    listings = {"a": _Listing(None), "b": _Listing(None)}
+    gw = _gateway(listings)
+    ctx = ServiceContext(engine=None, gate=AdmissionGate(), gateway=gw)
+    await gw.refresh()
+    with pytest.raises(ModelNotFoundError) as caught:
+        ctx.resolve_model("m")
+    assert caught.value.message.endswith(
+        "Models served: none. Upstreams 'a', 'b' have not answered GET /v1/models yet; their models are not known."
+    )
+    listings["a"].models, listings["b"].models = ["m"], []
+    await gw.refresh()
+    listings["a"].models = listings["b"].models = None  # down again: what they listed is still known
+    await gw.refresh()
+    assert gw.unknown_upstreams() == []
+    with pytest.raises(ModelNotFoundError) as caught:
+        ctx.resolve_model("x")
+    assert caught.value.message == "The model 'x' does not exist or you do not have access to it. Models served: 'm'."
+    await gw.close()
+
+
+async def test_each_changed_list_is_handed_on_once_and_a_failed_hand_over_is_tried_again() -> None:
+    handed: list[tuple[str, str, list[ServedModel]]] = []
+    failing = [False]
+
+    async def on_models(name: str, base_url: str, models: list[ServedModel]) -> None:
+        if failing[0]:
+            raise RuntimeError("database is down")
+        handed.append((name, base_url, models))
+
+    listing = _Listing(["m"])
+    known = {"a": KnownUpstream("http://a.test:1/v1", (ServedModel("m", 64),))}
+    gw = _gateway({"a": listing}, known=known, on_models=on_models)
+    await gw.refresh()
+    await gw.refresh()
+    assert handed == [("a", "http://a.test:1/v1", [ServedModel("m", 64)])]  # the first answer, though unchanged
+    listing.models = ["m", "n"]
+    failing[0] = True
+    await gw.refresh()
+    assert len(handed) == 1 and gw.pool("n") is not None  # the pools do not wait for the hand-over
+    failing[0] = False
+    await gw.refresh()
+    await gw.refresh()
+    assert handed[1:] == [("a", "http://a.test:1/v1", [ServedModel("m", 64), ServedModel("n", 64)])]
+    await gw.close()
+
+
+async def test_a_seeded_model_the_upstream_no_longer_lists_takes_no_row_and_says_why() -> None:
+    """``a`` was remembered serving ``m``; it comes back listing only ``n``: ``m``'s pool stays (its rows wait,
+    ``upstream_unavailable``) but sends nothing to ``a``, and the 503 says that ``a`` no longer lists it."""
+    listing = _Listing(None)
+    gw = _gateway({"a": listing}, known={"a": KnownUpstream("http://a.test:1/v1", (ServedModel("m"),))})
+    listing.models = ["n"]
+    await gw.refresh()
+    pool = gw.pool("m")
+    assert pool is not None and not pool.live and gw.upstreams[0].live
+    with pytest.raises(UpstreamUnavailableError, match="a: it no longer lists 'm' in GET /v1/models"):
+        await send(pool, "/chat/completions", {"model": "m"}, request_id="r", policy=gw.policy,
+                   deadline=time.monotonic() + 60, defer_at_deadline=False)  # fmt: skip
+    await gw.close()

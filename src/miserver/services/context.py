@@ -167,7 +167,8 @@ class ServiceContext:
         Raises :class:`ModelNotFoundError` (404 ``model_not_found``); when ``name`` is a prefix of a served id up to
         a ``:`` tag (a quantization repository named without its tag), the message names the exact id to send; when
         it is the catalogue id whose weights a checkpoint save or load renamed, the message names the resident id;
-        when it is a checkpoint that is not resident, the message says to load it first.
+        when it is a checkpoint that is not resident, the message says to load it first; in gateway mode it lists
+        the upstream models too, and names the upstreams whose models are not known yet (never answered).
         """
         if self.loading:
             raise EngineUnavailableError("A model is being loaded; retry in a moment.")
@@ -201,9 +202,21 @@ class ServiceContext:
         upstream = [p.model for p in self.gateway.models() if p.model not in served] if self.gateway else []
         listed = ", ".join(f"'{m}'" for m in [*served, *upstream]) or "none"
         raise ModelNotFoundError(
-            f"The model '{name}' does not exist or you do not have access to it. Models served: {listed}.",
+            f"The model '{name}' does not exist or you do not have access to it. Models served: {listed}."
+            + self._unknown_upstreams_note(),
             param="model",
         )
+
+    def _unknown_upstreams_note(self) -> str:
+        """The 404's last sentence in gateway mode while some upstream's models are not known (it never answered
+        ``GET /v1/models`` and nothing is remembered of it): the model may be one of them. Empty otherwise."""
+        names = self.gateway.unknown_upstreams() if self.gateway is not None else []
+        if not names:
+            return ""
+        quoted = ", ".join(f"'{n}'" for n in names)
+        if len(names) == 1:
+            return f" Upstream {quoted} has not answered GET /v1/models yet; its models are not known."
+        return f" Upstreams {quoted} have not answered GET /v1/models yet; their models are not known."
 
     def pick_seed(self, requested: int | None) -> tuple[int, str]:
         """The seed to run with and its ``X-miLLM-Seed`` header value (``scope="request"`` or ``"server"``)."""

@@ -2,8 +2,8 @@
 
 :class:`Store` owns the units of work: :meth:`Store.tx` (one transaction), :meth:`Store.read` (reads that write
 nothing) and :meth:`Store.file_content` (a file's bytes streamed in short reads). The modules ``files``,
-``batches`` and ``rows`` hold the named statements, each a function of an open connection. Code outside ``store/``
-never touches the engine.
+``batches`` and ``rows`` (and the others beside them, such as ``upstreams``: remembered gateway discovery) hold the
+named statements, each a function of an open connection. Code outside ``store/`` never touches the engine.
 """
 
 from __future__ import annotations

@@ -396,3 +396,25 @@ Index(
     sqlite_where=webhook_outbox.c.state == "pending",
     postgresql_where=webhook_outbox.c.state == "pending",
 )
+
+# Gateway discovery remembered across restarts (DESIGN §8, Upstream): per configured upstream name, the base URL it
+# had and the models its last written ``GET /v1/models`` listed, each with its context length in tokens (NULL: the
+# upstream did not say) and when it was last seen (Unix seconds). A gateway started while an upstream is down takes
+# these as the upstream's models (kept down until a probe answers) when the name and the URL both still match.
+upstreams = Table(
+    "upstreams",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("base_url", Text, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+)
+upstream_models = Table(
+    "upstream_models",
+    metadata,
+    Column("upstream", String(128), ForeignKey("upstreams.name", ondelete="CASCADE"), nullable=False),
+    Column("model", String(512), nullable=False),
+    Column("context_length", Integer, nullable=True),
+    Column("last_seen_at", BigInteger, nullable=False),
+    PrimaryKeyConstraint("upstream", "model"),
+    CheckConstraint("context_length IS NULL OR context_length > 0", name="context_length"),
+)

@@ -107,6 +107,11 @@ class Upstream:
         self.live = False
         self.last_error = reason
 
+    def seed(self, models: list[ServedModel]) -> None:
+        """Take ``models`` as what it serves until a probe answers (a list remembered from an earlier run, so its
+        pools exist while it is down). It stays down: ``live`` is left as it is (False before the first probe)."""
+        self.models = list(models)
+
     async def probe(self) -> bool:
         """``GET /v1/models``: refresh the served models and the liveness. Returns the new ``live``; never raises."""
         try:
