@@ -6,7 +6,9 @@ first N completions with 503 and ``Retry-After: 0`` (then recovers), ``--cut-str
 closes the connection without ``[DONE]``, ``--error-chunk`` sends an error chunk inside a 200 stream, ``--envelope``
 picks the error dialect of the 503 (``openai``, ``sglang``, ``tgi``, ``ollama``). Every completion request's
 ``X-Request-Id`` is appended to ``--log`` when given, and its last message's content to ``--content-log`` (which
-row was sent, how many times). Not a mock: the gateway talks to it over TCP like to any
+row was sent, how many times). ``--drop-reused`` reads every request after the first on a kept-alive connection and
+closes the connection without an answer: what a server does when its keep-alive timeout ends a connection at the
+moment the client reuses it. Not a mock: the gateway talks to it over TCP like to any
 upstream.
 """
 
@@ -79,7 +81,18 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def _dropped(self) -> bool:
+            """With --drop-reused: True (and the connection closed unanswered) for a request on a reused connection."""
+            served = getattr(self, "served", 0)
+            self.served = served + 1
+            if args.drop_reused and served >= 1:
+                self.close_connection = True
+                return True
+            return False
+
         def do_GET(self) -> None:
+            if self._dropped():
+                return
             if self.path.rstrip("/") == "/v1/models":
                 entry = {"id": args.model, "object": "model", "created": 0, "owned_by": "fake"}
                 if args.max_model_len:
@@ -91,6 +104,8 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
+            if self._dropped():
+                return
             if self.path != "/v1/chat/completions":
                 self._json(404, {"detail": "Not Found"})
                 return
@@ -195,6 +210,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--log", default=None)
     parser.add_argument("--content-log", default=None)
+    parser.add_argument("--drop-reused", action="store_true")
     args = parser.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args))
     server.daemon_threads = True

@@ -20,6 +20,18 @@ log = logging.getLogger("miserver.upstream")
 
 #: Connections kept beyond ``max_in_flight`` (the probe, a request finishing while the next starts).
 SPARE_CONNECTIONS = 4
+#: Seconds an idle pooled connection is kept for reuse. Below the keep-alive timeout of the servers in front of the
+#: engines (uvicorn's default is 5 s: vLLM, SGLang and miServer itself run on it), so that miServer never reuses a
+#: connection at the moment its server closes it. httpx's default is 5 s, the same as uvicorn's: a probe every 5 s
+#: then sometimes met a connection just closed ("Server disconnected without sending a response").
+KEEPALIVE_EXPIRY = 2.0
+#: Transport errors that a connection the server had already closed gives to the request that reused it: the server
+#: never read the request, so it is sent again at once on a new connection (once), and the upstream is not marked down.
+STALE_CONNECTION_ERRORS: tuple[type[httpx.TransportError], ...] = (
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
 #: Keys of a ``/v1/models`` entry that give the context length, in order of preference.
 CONTEXT_KEYS = ("max_model_len", "context_length", "max_context_length", "context_window")
 
@@ -60,7 +72,7 @@ class Upstream:
             timeouts = replace(timeouts, total=total, first_byte=min(timeouts.first_byte, total))
         self.timeouts = timeouts
         size = config.max_in_flight + SPARE_CONNECTIONS
-        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size, keepalive_expiry=KEEPALIVE_EXPIRY)
         self.client = httpx.AsyncClient(
             base_url=config.base_url,
             timeout=httpx.Timeout(connect=timeouts.connect, read=timeouts.idle, write=timeouts.idle, pool=None),
@@ -115,7 +127,10 @@ class Upstream:
     async def probe(self) -> bool:
         """``GET /v1/models``: refresh the served models and the liveness. Returns the new ``live``; never raises."""
         try:
-            response = await self.client.get("/models", headers=self.headers(), timeout=self.timeouts.connect + 5)
+            try:
+                response = await self._get_models()
+            except STALE_CONNECTION_ERRORS:
+                response = await self._get_models()  # a reused connection the server had closed: once more
             if response.status_code != 200:
                 raise ValueError(f"GET /v1/models answered HTTP {response.status_code}")
             models = read_models(response.json())
@@ -130,6 +145,9 @@ class Upstream:
             log.info("upstream %s is live: %s", self.name, ", ".join(m.id for m in models) or "no models")
         self.models, self.live, self.last_error = models, True, None
         return True
+
+    async def _get_models(self) -> httpx.Response:
+        return await self.client.get("/models", headers=self.headers(), timeout=self.timeouts.connect + 5)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -29,7 +29,7 @@ import httpx
 from ...errors import APIError, UpstreamTimeoutError, UpstreamUnavailableError
 from ...scheduler import AdmissionGate
 from ..base import EngineInfo
-from .client import ServedModel, Upstream
+from .client import STALE_CONNECTION_ERRORS, ServedModel, Upstream
 from .config import Timeouts, UpstreamConfig
 from .errors import RETRYABLE_STATUSES
 
@@ -183,7 +183,13 @@ async def _attempt(upstream: Upstream, path: str, payload: bytes, request_id: st
         headers = {**upstream.headers(request_id), "Content-Type": "application/json"}
         request = upstream.client.build_request("POST", path, content=payload, headers=headers)
         async with asyncio.timeout(timeouts.total):
-            response = await asyncio.wait_for(upstream.client.send(request, stream=True), timeouts.first_byte)
+            try:
+                response = await asyncio.wait_for(upstream.client.send(request, stream=True), timeouts.first_byte)
+            except STALE_CONNECTION_ERRORS:
+                # no response byte came: a reused connection that the server had closed (its keep-alive timeout)
+                # never carried the request; once more, on a new connection, before it counts as the upstream's fault
+                request = upstream.client.build_request("POST", path, content=payload, headers=headers)
+                response = await asyncio.wait_for(upstream.client.send(request, stream=True), timeouts.first_byte)
             if stream and response.status_code == 200:
                 keep = True
                 return Answer(upstream, 200, b"", response.headers, response)
