@@ -121,6 +121,30 @@ def test_a_cut_stream_or_an_error_chunk_is_an_error(client: openai.OpenAI, model
             pass
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}),
+        ("/anthropic/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+    ],
+)
+def test_a_resident_only_route_naming_an_upstream_model_says_so(
+    fleet: dict[str, Any], path: str, body: dict[str, Any]
+) -> None:
+    """Responses and Anthropic Messages run on the resident model only: naming an upstream model is a 400 that says
+    which upstream serves it and which routes are relayed (it was a 404 saying the model does not exist, while
+    listing it among the models served)."""
+    answer = fleet["gateway"].http().post(path, json={"model": UP, **body})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    if path.startswith("/anthropic/"):
+        assert error["type"] == "invalid_request_error"
+    else:
+        assert (error["code"], error["param"]) == ("unsupported_value", "model")
+    assert f"'{UP}' is served by upstream 'a', 'b'" in error["message"]
+    assert "/v1/chat/completions, /v1/completions, /v1/embeddings" in error["message"]
+
+
 def test_503_is_retried_with_one_request_id_until_it_recovers(fleet: dict[str, Any], client: openai.OpenAI) -> None:
     answer = client.chat.completions.create(**chat_body("hello", model="flaky"))
     assert answer.choices[0].message.content == "echo: hello" and answer.model == "flaky"

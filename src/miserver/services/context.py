@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..engines.base import Engine
-from ..engines.upstream import Gateway, UpstreamPool
-from ..errors import ConflictError, EngineUnavailableError, ModelNotFoundError
+from ..engines.upstream import UPSTREAM_PATHS, Gateway, UpstreamPool
+from ..errors import ConflictError, EngineUnavailableError, ModelNotFoundError, UnsupportedValueError
 from ..leases import LeaseManager
 from ..scheduler import AdmissionGate, Priority, Slot
 from ..store import Store
@@ -168,7 +168,10 @@ class ServiceContext:
         a ``:`` tag (a quantization repository named without its tag), the message names the exact id to send; when
         it is the catalogue id whose weights a checkpoint save or load renamed, the message names the resident id;
         when it is a checkpoint that is not resident, the message says to load it first; in gateway mode it lists
-        the upstream models too, and names the upstreams whose models are not known yet (never answered).
+        the upstream models too, and names the upstreams whose models are not known yet (never answered). Raises
+        :class:`UnsupportedValueError` (400 ``unsupported_value``, param ``model``) for a model an upstream pool
+        serves: the routes that reach this call run on the resident model only (the relayed ones,
+        ``UPSTREAM_PATHS``, send such a model upstream before).
         """
         if self.loading:
             raise EngineUnavailableError("A model is being loaded; retry in a moment.")
@@ -197,6 +200,15 @@ class ServiceContext:
             raise ModelNotFoundError(
                 f"The model '{name}' does not exist. It names a quantization repository without its tag: "
                 f"send the exact id '{tagged[0]}' (as GET /v1/models lists it).",
+                param="model",
+            )
+        pool = self.gateway.pool(target) if self.gateway is not None else None
+        if pool is not None:  # a route that runs on the resident model only (the relayed ones go upstream first)
+            names = ", ".join(f"'{u.name}'" for u in pool.members)
+            relayed = ", ".join(UPSTREAM_PATHS)
+            raise UnsupportedValueError(
+                f"The model '{name}' is served by upstream {names}; miServer relays only {relayed} to upstreams. "
+                "This endpoint runs on the resident model only.",
                 param="model",
             )
         upstream = [p.model for p in self.gateway.models() if p.model not in served] if self.gateway else []

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from ..engines.base import Engine
-from ..engines.upstream import Answer, Deferred, Gateway, UpstreamPool, send
+from ..engines.upstream import UPSTREAM_PATHS, Answer, Deferred, Gateway, UpstreamPool, send
 from ..engines.upstream.errors import normalize_error, stream_error
 from ..errors import APIError, ContextLengthError, UpstreamError, UpstreamUnavailableError
 from ..scheduler import Slot
@@ -37,12 +37,6 @@ from .many import Outcome, Plan, server_error
 
 log = logging.getLogger("miserver.gateway")
 
-#: The upstream path (under ``/v1``) of each endpoint that can go upstream.
-UPSTREAM_PATHS = {
-    "/v1/chat/completions": "/chat/completions",
-    "/v1/completions": "/completions",
-    "/v1/embeddings": "/embeddings",
-}
 #: Provenance headers an upstream miServer sets that are copied as they are.
 COPIED_HEADERS = ("X-miLLM-Seed", "X-miLLM-Weights", "X-miLLM-Dtype")
 

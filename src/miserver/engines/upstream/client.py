@@ -20,6 +20,13 @@ log = logging.getLogger("miserver.upstream")
 
 #: Connections kept beyond ``max_in_flight`` (the probe, a request finishing while the next starts).
 SPARE_CONNECTIONS = 4
+#: The upstream path (under ``/v1``) of each endpoint miServer relays to upstreams; the other endpoints (Responses,
+#: Anthropic Messages, probes, scoring) run on the resident model only.
+UPSTREAM_PATHS = {
+    "/v1/chat/completions": "/chat/completions",
+    "/v1/completions": "/completions",
+    "/v1/embeddings": "/embeddings",
+}
 #: Seconds an idle pooled connection is kept for reuse. Below the keep-alive timeout of the servers in front of the
 #: engines (uvicorn's default is 5 s: vLLM, SGLang and miServer itself run on it), so that miServer never reuses a
 #: connection at the moment its server closes it. httpx's default is 5 s, the same as uvicorn's: a probe every 5 s
