@@ -48,7 +48,8 @@ log = logging.getLogger("miserver")
 
 def _error_response(exc: APIError, path: str = "") -> JSONResponse:
     status, body = exc.answer_for(path)  # Anthropic's envelope under /anthropic/, OpenAI's elsewhere
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class ServerErrors:
@@ -159,7 +160,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         events.start()
         sampler = asyncio.create_task(metrics.sample_busy(lambda: runtime.ctx.gate), name="miserver-metrics-sampler")
         engine = runtime.ctx.engine
-        model_id = engine.info.model_id if engine else None
+        model_id = engine.info.model_id if engine else "none (--no-model)"
+        if engine is None and runtime.ctx.gateway is None:
+            log.warning("no resident model and no usable upstream: nothing can be served (see --upstream)")
         log.info("miServer ready: model %s, database %s", model_id, runtime.store.url.split(":")[0])
         try:
             yield

@@ -34,6 +34,8 @@ class APIError(Exception):
     status_code: int = 400
     type: str = "invalid_request_error"
     default_code: str | None = None
+    #: Seconds to wait before retrying, sent as ``Retry-After`` (None: no header).
+    retry_after: int | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -193,6 +195,7 @@ class UpstreamUnavailableError(EngineUnavailableError):
     not failed for it: it waits with ``waiting_reason: upstream_unavailable``."""
 
     default_code = "upstream_unavailable"
+    retry_after = 5  # the default health probe period (MISERVER_UPSTREAM_HEALTH_SECONDS): when it is looked at again
 
 
 class UpstreamTimeoutError(APIError):

@@ -154,7 +154,7 @@ def test_error_envelope(claude: anthropic.Anthropic, http: httpx.Client) -> None
         "type": "error",
         "error": {
             "type": "invalid_request_error",
-            "message": "Unsupported parameter: 'tools' is not supported by the resident engine.",
+            "message": "Unsupported parameter: 'tools' is not supported by this server.",
         },
     }
     with pytest.raises(anthropic.NotFoundError) as missing:

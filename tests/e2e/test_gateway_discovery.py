@@ -61,6 +61,7 @@ def test_a_gateway_restarted_while_its_upstream_is_down_waits_for_it(tmp_path: P
                 client.chat.completions.create(**chat_body("hi", model=MODEL))
             assert caught.value.status_code == 503, caught.value.body
             assert caught.value.body["code"] == "upstream_unavailable"  # type: ignore[index]
+            assert caught.value.response.headers["Retry-After"] == "5"  # when the upstream is probed again
 
             batch = submit(client, jsonl([line(cid, chat_body(cid, model=MODEL)) for cid in IDS]))
             waiting = wait_for(

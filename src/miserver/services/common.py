@@ -79,7 +79,7 @@ def refuse_unsupported(fields: dict[str, Any]) -> None:
         if name == "modalities" and value == ["text"]:
             continue
         raise UnsupportedParameterError(
-            f"Unsupported parameter: '{name}' is not supported by the resident engine.", param=name
+            f"Unsupported parameter: '{name}' is not supported by this server.", param=name
         )
 
 

@@ -112,7 +112,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[MessagesRequ
     for name, value in carried_fields(req, UNSUPPORTED_FIELDS).items():
         if value is not None and not _neutral(name, value):
             raise UnsupportedParameterError(
-                f"Unsupported parameter: '{name}' is not supported by the resident engine.", param=name
+                f"Unsupported parameter: '{name}' is not supported by this server.", param=name
             )
     _refuse_blocks(req.system, "system")
     for i, message in enumerate(req.messages):

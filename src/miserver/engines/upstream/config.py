@@ -118,7 +118,7 @@ def parse_upstreams(
                 problems.append(str(exc))
                 continue
             if any(c.name == config.name for c in configs):
-                problems.append(f"upstream {config.name!r} is given more than once; the first entry is used")
+                problems.append(f"upstream {config.name!r} is given more than once ({entry.strip()!r})")
                 continue
             configs.append(config)
     return configs, problems

@@ -460,7 +460,7 @@ async def start_gateway(
     configs, problems = parse_upstreams(entries, default_max_in_flight)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream request would drown the log
     for problem in problems:
-        log.warning("%s; starting without it", problem)
+        log.warning("%s; that entry is left out", problem)
     if not configs:
         return None
     gateway = Gateway(configs, timeouts, policy, health_seconds=health_seconds, known=known, on_models=on_models)
