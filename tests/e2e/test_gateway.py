@@ -194,6 +194,24 @@ def test_a_line_naming_a_model_nobody_serves_fails_the_batch_at_validation(clien
     ]  # fmt: skip
 
 
+def test_an_upstream_batch_has_an_eta_from_its_own_progress(client: openai.OpenAI) -> None:
+    """A batch on an upstream pool gets ``millm.estimated_completion_at`` from its own rate so far (pools run side
+    by side and do not share the resident engine's measured rate; it stayed null)."""
+    rows = [line(f"e{i}", chat_body(f"Row {i}", model="gone")) for i in range(12)]  # one at a time, 0.3 s each
+    batch = submit(client, jsonl(rows))
+
+    def estimated() -> Any:
+        b = client.batches.retrieve(batch.id)
+        eta = (b.model_extra or {}).get("millm", {}).get("estimated_completion_at")
+        return b.status == "in_progress" and eta is not None and (b, eta)
+
+    running, eta = wait_for(estimated, timeout=120)
+    counts = running.request_counts
+    assert counts is not None and 0 < counts.completed < 12
+    assert running.in_progress_at is not None and running.in_progress_at < eta <= running.expires_at
+    assert wait_terminal(client, batch.id).status == "completed"
+
+
 def test_a_batch_that_expires_while_its_pool_is_down(fleet: dict[str, Any], client: openai.OpenAI) -> None:
     rows = [line(f"g{i}", chat_body(f"g{i}", model="gone")) for i in range(12)]
     batch = submit(client, jsonl(rows))

@@ -6,7 +6,16 @@ from datetime import UTC, datetime
 
 import pytest
 
-from miserver.batches.scheduling import BatchHours, Candidate, FairShare, Margin, RateOf, estimate_new, plan
+from miserver.batches.scheduling import (
+    BatchHours,
+    Candidate,
+    FairShare,
+    Margin,
+    RateOf,
+    estimate_new,
+    eta_from_progress,
+    plan,
+)
 
 NOON = datetime(2026, 12, 1, 12, 0, tzinfo=UTC).timestamp()
 DAY = 86400
@@ -121,3 +130,11 @@ def test_processor_sharing_eta_and_the_estimate_at_create() -> None:
     higher = batch("h", pending=50, priority=1)
     seconds = estimate_new(20, priority=0, rate=10.0, others=[(a, None), (higher, 5.0)])
     assert seconds == pytest.approx(2 + 2 + 10)  # its own 20, a's 20 alongside, all 50 of the higher at 5/s
+
+
+def test_eta_from_progress_keeps_the_rate_so_far() -> None:
+    # 30 rows in 60 s: 0.5 rows/s, so 10 more take 20 s
+    assert eta_from_progress(recorded=30, pending=10, since=1_000, now=1_060.0) == 1_080.0
+    assert eta_from_progress(recorded=30, pending=0, since=1_000, now=1_060.0) == 1_060.0
+    for recorded, since, now in ((0, 1_000, 1_060.0), (5, None, 1_060.0), (5, 1_060, 1_060.0)):
+        assert eta_from_progress(recorded=recorded, pending=3, since=since, now=now) is None

@@ -201,7 +201,7 @@ class BatchRunner:
         decision = scheduling.plan(
             candidates, now=self.clock(), rate_of=rate_of, fair=self.fair, hours=self.hours, margin=self.margin
         )
-        await self._store_estimates(running, decision)
+        await self._store_estimates(running, decision, pending)
         for batch_id, reason in decision.waiting.items():
             await self._set_waiting(by_id[batch_id], reason, None)
         # batches whose rows go to upstream pools do not share the resident engine: each takes its step
@@ -223,10 +223,21 @@ class BatchRunner:
                 return True
         return busy
 
-    async def _store_estimates(self, running: list[BatchRecord], decision: scheduling.Decision) -> None:
+    async def _store_estimates(
+        self, running: list[BatchRecord], decision: scheduling.Decision, pending: dict[str, int]
+    ) -> None:
+        """Store each running batch's ETA (``millm.estimated_completion_at``) where it moved by 2 s or more: the
+        plan's (the resident engine's measured rate, shared in the plan's order), and for a batch that runs on
+        upstream pools, which run side by side and do not share that engine, its own rate so far
+        (:func:`scheduling.eta_from_progress`)."""
         changed = []
+        clock = self.clock()
         for b in running:
             eta = decision.eta.get(b.id)
+            if b.id not in decision.waiting and self.upstream.serves(b):
+                eta = scheduling.eta_from_progress(
+                    recorded=b.completed + b.failed, pending=pending.get(b.id, 0), since=b.in_progress_at, now=clock
+                )
             new = int(eta) if eta is not None else None
             old = b.estimated_completion_at
             if (new is None) != (old is None) or (new is not None and old is not None and abs(new - old) >= 2):

@@ -161,6 +161,15 @@ class Decision:
     queued: frozenset[str] = frozenset()
 
 
+def eta_from_progress(*, recorded: int, pending: int, since: int | None, now: float) -> float | None:
+    """When a batch finishes at the rate it has kept so far: ``recorded`` rows in the ``now - since`` seconds since
+    it started running (Unix seconds), ``pending`` rows to go. None before it has recorded a row. For a batch whose
+    rows run on upstream pools, which run side by side and do not share the resident engine's measured rate."""
+    if since is None or recorded <= 0 or now <= since:
+        return None
+    return now + pending * (now - since) / recorded
+
+
 def work_seconds(c: Candidate, rate: float | None) -> float | None:
     """Seconds to run ``c``'s pending rows alone at ``rate`` rows/s; None when the rate is unknown."""
     if rate is None or rate <= 0 or not math.isfinite(rate):
