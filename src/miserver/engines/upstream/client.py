@@ -33,7 +33,7 @@ UPSTREAM_PATHS = {
 #: then sometimes met a connection just closed ("Server disconnected without sending a response").
 KEEPALIVE_EXPIRY = 2.0
 #: Transport errors that a connection the server had already closed gives to the request that reused it: the server
-#: never read the request, so it is sent again at once on a new connection (once), and the upstream is not marked down.
+#: never read the request, so it is sent again at once (:meth:`Upstream.send`), and the upstream is not marked down.
 STALE_CONNECTION_ERRORS: tuple[type[httpx.TransportError], ...] = (
     httpx.RemoteProtocolError,
     httpx.ReadError,
@@ -79,6 +79,7 @@ class Upstream:
             timeouts = replace(timeouts, total=total, first_byte=min(timeouts.first_byte, total))
         self.timeouts = timeouts
         size = config.max_in_flight + SPARE_CONNECTIONS
+        self.pool_size = size
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size, keepalive_expiry=KEEPALIVE_EXPIRY)
         self.client = httpx.AsyncClient(
             base_url=config.base_url,
@@ -134,10 +135,7 @@ class Upstream:
     async def probe(self) -> bool:
         """``GET /v1/models``: refresh the served models and the liveness. Returns the new ``live``; never raises."""
         try:
-            try:
-                response = await self._get_models()
-            except STALE_CONNECTION_ERRORS:
-                response = await self._get_models()  # a reused connection the server had closed: once more
+            response = await self.send("GET", "/models", headers=self.headers(), timeout=self.timeouts.connect + 5)
             if response.status_code != 200:
                 raise ValueError(f"GET /v1/models answered HTTP {response.status_code}")
             models = read_models(response.json())
@@ -153,8 +151,32 @@ class Upstream:
         self.models, self.live, self.last_error = models, True, None
         return True
 
-    async def _get_models(self) -> httpx.Response:
-        return await self.client.get("/models", headers=self.headers(), timeout=self.timeouts.connect + 5)
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: dict[str, str],
+        content: bytes | None = None,
+        timeout: float,
+        stream: bool = False,
+    ) -> httpx.Response:
+        """Send one request on the pooled client; ``timeout`` (seconds) bounds the wait for the response headers.
+
+        A kept-alive connection that the server closed as it was reused fails before any response byte
+        (:data:`STALE_CONNECTION_ERRORS`); the pool drops it and the request goes again at once, as many times as
+        the pool holds connections (each could be such a one) and once more on a new connection, after which the
+        error is raised (the server really closes connections on this request: it is down or broken). Raises what
+        ``httpx`` raises, and ``TimeoutError`` when ``timeout`` passes.
+        """
+        for left in range(self.pool_size, -1, -1):
+            request = self.client.build_request(method, path, content=content, headers=headers)
+            try:
+                return await asyncio.wait_for(self.client.send(request, stream=stream), timeout)
+            except STALE_CONNECTION_ERRORS:
+                if left == 0:
+                    raise
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -29,7 +29,7 @@ import httpx
 from ...errors import APIError, UpstreamTimeoutError, UpstreamUnavailableError
 from ...scheduler import AdmissionGate
 from ..base import EngineInfo
-from .client import STALE_CONNECTION_ERRORS, ServedModel, Upstream
+from .client import ServedModel, Upstream
 from .config import Timeouts, UpstreamConfig
 from .errors import RETRYABLE_STATUSES
 
@@ -181,15 +181,10 @@ async def _attempt(upstream: Upstream, path: str, payload: bytes, request_id: st
     keep = False
     try:
         headers = {**upstream.headers(request_id), "Content-Type": "application/json"}
-        request = upstream.client.build_request("POST", path, content=payload, headers=headers)
         async with asyncio.timeout(timeouts.total):
-            try:
-                response = await asyncio.wait_for(upstream.client.send(request, stream=True), timeouts.first_byte)
-            except STALE_CONNECTION_ERRORS:
-                # no response byte came: a reused connection that the server had closed (its keep-alive timeout)
-                # never carried the request; once more, on a new connection, before it counts as the upstream's fault
-                request = upstream.client.build_request("POST", path, content=payload, headers=headers)
-                response = await asyncio.wait_for(upstream.client.send(request, stream=True), timeouts.first_byte)
+            response = await upstream.send(
+                "POST", path, content=payload, headers=headers, timeout=timeouts.first_byte, stream=True
+            )
             if stream and response.status_code == 200:
                 keep = True
                 return Answer(upstream, 200, b"", response.headers, response)
