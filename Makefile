@@ -21,8 +21,9 @@ install: $(STAMP)
 demo: $(STAMP)  ## start a server, run the example batch on the real model, print a summary
 	$(BIN)/python examples/demo.py
 
-lint: $(STAMP)  ## ruff (lint and import order), then mypy --strict over src/miserver
-	$(BIN)/ruff check src tests bench examples
+lint: $(STAMP)  ## ruff (lint, import order and formatting), then mypy --strict over src/miserver
+	$(BIN)/ruff check src tests bench examples tools
+	$(BIN)/ruff format --check src tests bench examples tools
 	$(BIN)/mypy
 
 browser:  ## Debian's chromium for the console's browser tests (Playwright drives it; never a browser download)

@@ -64,7 +64,7 @@ def rows(n: int, max_tokens: int) -> bytes:
                 "messages": [{"role": "user", "content": f"Item {i}: describe it briefly"}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
-            },  # fmt: skip
+            },
         }
         for i in range(n)
     )

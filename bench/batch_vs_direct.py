@@ -166,10 +166,16 @@ def main() -> int:
     same = sum(len(set(column)) == 1 for column in zip(*answers, strict=True))
     totals = {path: sum(run["seconds"] for run in runs) for path, runs in phases.items()}
     rows = len(bodies) * args.rounds
-    batch = {"seconds": round(totals["batch"], 3), "rows_per_s": round(rows / totals["batch"], 3),
-             "runs": phases["batch"]}  # fmt: skip
-    direct = {"seconds": round(totals["direct"], 3), "rows_per_s": round(rows / totals["direct"], 3),
-              "runs": phases["direct"]}  # fmt: skip
+    batch = {
+        "seconds": round(totals["batch"], 3),
+        "rows_per_s": round(rows / totals["batch"], 3),
+        "runs": phases["batch"],
+    }
+    direct = {
+        "seconds": round(totals["direct"], 3),
+        "rows_per_s": round(rows / totals["direct"], 3),
+        "runs": phases["direct"],
+    }
     ratio = totals["direct"] / totals["batch"]
     print(f"all rounds: batch {batch['rows_per_s']:.3f} rows/s, direct {direct['rows_per_s']:.3f} rows/s")
     print(f"  ratio batch/direct: {ratio:.3f}; identical answers in every run: {same}/{len(bodies)}")

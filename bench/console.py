@@ -54,17 +54,32 @@ async def seed(url: str, count: int) -> None:
     try:
         file_id = ordered_id("file-")
         async with store.tx() as conn:
-            await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
-                                 expires_at=None, chunks=[b"{}\n"], owner_key_id=None)  # fmt: skip
+            await sf.insert_file(
+                conn,
+                file_id=file_id,
+                purpose="batch",
+                filename="in.jsonl",
+                created_at=now(),
+                expires_at=None,
+                chunks=[b"{}\n"],
+                owner_key_id=None,
+            )
         for start in range(0, count, 100):
             async with store.tx() as conn:
                 for i in range(start, min(count, start + 100)):
                     batch_id = ordered_id("batch_")
-                    await sb.insert_batch(conn, batch_id=batch_id, endpoint="/v1/chat/completions",
-                                          input_file_id=file_id, completion_window="24h", created_at=now(),
-                                          expires_at=now() + 86400,
-                                          metadata={"description": f"eval run {i} of team {i % 7}"}, pack=False,
-                                          output_expires_seconds=None)  # fmt: skip
+                    await sb.insert_batch(
+                        conn,
+                        batch_id=batch_id,
+                        endpoint="/v1/chat/completions",
+                        input_file_id=file_id,
+                        completion_window="24h",
+                        created_at=now(),
+                        expires_at=now() + 86400,
+                        metadata={"description": f"eval run {i} of team {i % 7}"},
+                        pack=False,
+                        output_expires_seconds=None,
+                    )
                     await sb.transition(conn, batch_id, ("validating",), STATUSES[i % len(STATUSES)], now())
     finally:
         await store.close()

@@ -69,10 +69,14 @@ FLEET = (1, 2, 4, 8, 16)
 
 def bodies(rows: int, model: str, max_tokens: int) -> list[dict[str, Any]]:
     return [
-        {"model": model, "messages": [{"role": "user", "content": f"Row {i}: say a word."}],
-         "max_tokens": max_tokens, "temperature": 0}
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Row {i}: say a word."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
         for i in range(rows)
-    ]  # fmt: skip
+    ]
 
 
 def run_batch(
@@ -139,8 +143,13 @@ def upstream(
     model_dir: str, root: Path, name: str, threads: int = 0, extra: dict[str, str] | None = None
 ) -> ServerProcess:
     env = ({"MISERVER_TORCH_THREADS": str(threads)} if threads else {}) | (extra or {})
-    return ServerProcess(model=model_dir, served_model_name=MODEL, data_dir=root / name,
-                         database_url=f"sqlite:///{root / name}.db", env=env)  # fmt: skip
+    return ServerProcess(
+        model=model_dir,
+        served_model_name=MODEL,
+        data_dir=root / name,
+        database_url=f"sqlite:///{root / name}.db",
+        env=env,
+    )
 
 
 def gateway(root: Path, name: str, entries: list[str], *, quick: bool = True) -> ServerProcess:
@@ -165,7 +174,10 @@ def overhead(
     upstream_env: dict[str, str],
 ) -> dict[str, Any]:
     work = bodies(rows, MODEL, max_tokens)
-    with upstream(model_dir, root, "up-overhead", threads, upstream_env) as up, gateway(root, "gw-overhead", [f"u={up.base_url};max_in_flight={n}"], quick=False) as gw:  # noqa: E501
+    with (
+        upstream(model_dir, root, "up-overhead", threads, upstream_env) as up,
+        gateway(root, "gw-overhead", [f"u={up.base_url};max_in_flight={n}"], quick=False) as gw,
+    ):  # noqa: E501
         client = gw.client(timeout=600)
         warm = max(8, rows // 5)  # untimed warm-up of both paths (the upstream's first rows run slower)
         run_direct(up.base_url, work[:warm], n)
@@ -182,26 +194,49 @@ def overhead(
                     assert batch.status == "completed" and batch.request_counts.completed == rows, batch
                 after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"client": time.process_time()}
                 cpu = {f"{k}_cpu_ms_per_row": round(1000 * (after[k] - before[k]) / rows, 1) for k in after}
-                phases.append({"round": r, "phase": kind, "seconds": round(seconds, 2),
-                               "rows_per_second": round(rows / seconds, 2), **cpu})  # fmt: skip
-                print(f"  {r} {kind:8s} {seconds:7.2f} s  {rows / seconds:7.2f} rows/s   CPU ms/row: gateway "
-                      f"{cpu['gateway_cpu_ms_per_row']:5.1f}, upstream {cpu['upstream_cpu_ms_per_row']:5.1f}, client "
-                      f"{cpu['client_cpu_ms_per_row']:4.1f}", flush=True)  # fmt: skip
+                phases.append(
+                    {
+                        "round": r,
+                        "phase": kind,
+                        "seconds": round(seconds, 2),
+                        "rows_per_second": round(rows / seconds, 2),
+                        **cpu,
+                    }
+                )
+                print(
+                    f"  {r} {kind:8s} {seconds:7.2f} s  {rows / seconds:7.2f} rows/s   CPU ms/row: gateway "
+                    f"{cpu['gateway_cpu_ms_per_row']:5.1f}, upstream {cpu['upstream_cpu_ms_per_row']:5.1f}, client "
+                    f"{cpu['client_cpu_ms_per_row']:4.1f}",
+                    flush=True,
+                )
 
     def ratio(of: list[dict[str, Any]]) -> float:
         mean = {k: sum(p["rows_per_second"] for p in of if p["phase"] == k) for k in ("direct", "gateway")}
         return round(mean["gateway"] / mean["direct"], 3)
 
     per_round = [ratio([p for p in phases if p["round"] == r]) for r in range(1, rounds + 1)]
-    return {"rows": rows, "max_in_flight": n, "max_tokens": max_tokens, "upstream_torch_threads": threads or "default",
-            "upstream_env": upstream_env, "poll_seconds": poll, "rounds": rounds, "phases": phases,
-            "ratio_per_round": per_round, "ratio": ratio(phases)}  # fmt: skip
+    return {
+        "rows": rows,
+        "max_in_flight": n,
+        "max_tokens": max_tokens,
+        "upstream_torch_threads": threads or "default",
+        "upstream_env": upstream_env,
+        "poll_seconds": poll,
+        "rounds": rounds,
+        "phases": phases,
+        "ratio_per_round": per_round,
+        "ratio": ratio(phases),
+    }
 
 
 def failover(model_dir: str, root: Path, rows: int, n: int, max_tokens: int) -> dict[str, Any]:
     work = bodies(rows, MODEL, max_tokens)
     a, b = upstream(model_dir, root, "up-a"), upstream(model_dir, root, "up-b")
-    with a, b, gateway(root, "gw-failover", [f"a={a.base_url};max_in_flight={n}", f"b={b.base_url};max_in_flight={n}"]) as gw:  # noqa: E501
+    with (
+        a,
+        b,
+        gateway(root, "gw-failover", [f"a={a.base_url};max_in_flight={n}", f"b={b.base_url};max_in_flight={n}"]) as gw,
+    ):  # noqa: E501
         client = gw.client(timeout=600)
         data = "".join(
             json.dumps({"custom_id": f"r{i:05d}", "method": "POST", "url": "/v1/chat/completions", "body": x}) + "\n"
@@ -209,19 +244,32 @@ def failover(model_dir: str, root: Path, rows: int, n: int, max_tokens: int) -> 
         ).encode()
         uploaded = client.files.create(file=("rows.jsonl", data), purpose="batch")
         started = time.monotonic()
-        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")  # noqa: E501
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )  # noqa: E501
         wait_for(lambda: (client.batches.retrieve(batch.id).request_counts.completed or 0) >= rows // 10, 600, 0.05)
         killed_at = time.monotonic() - started
         a.kill9()
         done = wait_for(lambda: (x := client.batches.retrieve(batch.id)).status in TERMINAL and x, 1200, 0.1)
         seconds = time.monotonic() - started
-        out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()] if done.output_file_id else []  # noqa: E501
+        out = (
+            [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+            if done.output_file_id
+            else []
+        )  # noqa: E501
     seen = Counter(x["custom_id"] for x in out)
-    result = {"rows": rows, "max_in_flight_each": n, "status": done.status, "killed_after_s": round(killed_at, 2),
-              "seconds": round(seconds, 2), "completed": done.request_counts.completed,
-              "failed": done.request_counts.failed, "lost": rows - len(seen),
-              "recorded_twice": sum(c - 1 for c in seen.values()),
-              "in_order": [x["custom_id"] for x in out] == sorted(seen)}  # fmt: skip
+    result = {
+        "rows": rows,
+        "max_in_flight_each": n,
+        "status": done.status,
+        "killed_after_s": round(killed_at, 2),
+        "seconds": round(seconds, 2),
+        "completed": done.request_counts.completed,
+        "failed": done.request_counts.failed,
+        "lost": rows - len(seen),
+        "recorded_twice": sum(c - 1 for c in seen.values()),
+        "in_order": [x["custom_id"] for x in out] == sorted(seen),
+    }
     print(f"  {result}", flush=True)
     return result
 
@@ -243,16 +291,26 @@ def fleet(root: Path, delay: float, seconds_each: float) -> list[dict[str, Any]]
                 seconds, batch = run_batch(client, bodies(rows, f"slow{m}", 1), trace=trace)
                 assert batch.status == "completed" and batch.request_counts.completed == rows, batch
                 rate, ideal, steady = rows / seconds, m / delay, steady_rate(trace, rows)
-                results.append({"max_in_flight": m, "rows": rows, "seconds": round(seconds, 2),
-                                "rows_per_second": round(rate, 2), "steady_rows_per_second": round(steady, 2),
-                                "ideal": round(ideal, 2), "of_ideal": round(rate / ideal, 3),
-                                "steady_of_ideal": round(steady / ideal, 3),
-                                "direct_rows_per_second": round(direct, 2),
-                                "steady_of_direct": round(steady / direct, 3)})  # fmt: skip
-                print(f"  max_in_flight {m:2d}: {rows:4d} rows {seconds:6.2f} s {rate:6.2f} rows/s "
-                      f"({rate / ideal:.0%} of {ideal:.0f}); steady {steady:6.2f} rows/s ({steady / ideal:.0%}); "
-                      f"a direct client {direct:6.2f} rows/s",
-                      flush=True)  # fmt: skip
+                results.append(
+                    {
+                        "max_in_flight": m,
+                        "rows": rows,
+                        "seconds": round(seconds, 2),
+                        "rows_per_second": round(rate, 2),
+                        "steady_rows_per_second": round(steady, 2),
+                        "ideal": round(ideal, 2),
+                        "of_ideal": round(rate / ideal, 3),
+                        "steady_of_ideal": round(steady / ideal, 3),
+                        "direct_rows_per_second": round(direct, 2),
+                        "steady_of_direct": round(steady / direct, 3),
+                    }
+                )
+                print(
+                    f"  max_in_flight {m:2d}: {rows:4d} rows {seconds:6.2f} s {rate:6.2f} rows/s "
+                    f"({rate / ideal:.0%} of {ideal:.0f}); steady {steady:6.2f} rows/s ({steady / ideal:.0%}); "
+                    f"a direct client {direct:6.2f} rows/s",
+                    flush=True,
+                )
     finally:
         for f in fakes.values():
             f.stop()
@@ -261,7 +319,10 @@ def fleet(root: Path, delay: float, seconds_each: float) -> list[dict[str, Any]]
 
 def ceiling(root: Path, rows: int, width: int) -> list[dict[str, Any]]:
     results = []
-    with FakeUpstream(model="fast", delay=0) as fast, gateway(root, "gw-ceiling", [f"f={fast.base_url};max_in_flight={width}"], quick=False) as gw:  # noqa: E501
+    with (
+        FakeUpstream(model="fast", delay=0) as fast,
+        gateway(root, "gw-ceiling", [f"f={fast.base_url};max_in_flight={width}"], quick=False) as gw,
+    ):  # noqa: E501
         client = gw.client(timeout=600)
         run_batch(client, bodies(20, "fast", 1))  # untimed warm-up
         for attempt in (1, 2):
@@ -269,11 +330,21 @@ def ceiling(root: Path, rows: int, width: int) -> list[dict[str, Any]]:
             seconds, batch = run_batch(client, bodies(rows, "fast", 1))
             assert batch.status == "completed" and batch.request_counts.completed == rows, batch
             cpu = 1000 * (cpu_seconds(gw.proc.pid) - before) / rows
-            results.append({"run": attempt, "rows": rows, "max_in_flight": width, "seconds": round(seconds, 2),
-                            "rows_per_second": round(rows / seconds, 1),
-                            "gateway_cpu_ms_per_row": round(cpu, 2)})  # fmt: skip
-            print(f"  run {attempt}: {rows} rows in {seconds:6.2f} s = {rows / seconds:6.1f} rows/s; gateway CPU "
-                  f"{cpu:5.2f} ms/row", flush=True)  # fmt: skip
+            results.append(
+                {
+                    "run": attempt,
+                    "rows": rows,
+                    "max_in_flight": width,
+                    "seconds": round(seconds, 2),
+                    "rows_per_second": round(rows / seconds, 1),
+                    "gateway_cpu_ms_per_row": round(cpu, 2),
+                }
+            )
+            print(
+                f"  run {attempt}: {rows} rows in {seconds:6.2f} s = {rows / seconds:6.1f} rows/s; gateway CPU "
+                f"{cpu:5.2f} ms/row",
+                flush=True,
+            )
     return results
 
 
@@ -285,19 +356,31 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="upstream model (default: the tiny test model, built here)")
     parser.add_argument("--delay", type=float, default=0.2, help="the slow upstream's seconds per request")
     parser.add_argument("--fleet-seconds", type=float, default=6.0, help="about how long each fleet batch runs")
-    parser.add_argument("--upstream-threads", type=int, default=1,
-                        help="torch threads of the overhead upstream's model (0: torch's default, one per core)")
+    parser.add_argument(
+        "--upstream-threads",
+        type=int,
+        default=1,
+        help="torch threads of the overhead upstream's model (0: torch's default, one per core)",
+    )
     parser.add_argument("--poll", type=float, default=0.1, help="fastest poll of a batch, seconds (near its end)")
     parser.add_argument("--rounds", type=int, default=3, help="ABBA rounds of the overhead run")
-    parser.add_argument("--upstream-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="an environment variable of the overhead upstream (e.g. OMP_WAIT_POLICY=PASSIVE)")
+    parser.add_argument(
+        "--upstream-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable of the overhead upstream (e.g. OMP_WAIT_POLICY=PASSIVE)",
+    )
     parser.add_argument("--ceiling-rows", type=int, default=1000)
     parser.add_argument("--ceiling-width", type=int, default=16, help="max_in_flight of the ceiling run")
     parser.add_argument("--only", choices=("overhead", "failover", "fleet", "ceiling"), action="append")
     args = parser.parse_args()
     only = set(args.only or ("overhead", "failover", "fleet", "ceiling"))
-    report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                              "machine": platform.platform(), "command": " ".join(sys.argv)}  # fmt: skip
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "command": " ".join(sys.argv),
+    }
     with tempfile.TemporaryDirectory(prefix="miserver-bench-gateway-") as tmp:
         root = Path(tmp)
         model_dir = args.model or str(build_tiny_model(root / "tiny"))
@@ -306,7 +389,14 @@ def main() -> None:
             threads = args.upstream_threads or "torch's default"
             print(f"overhead: {args.rows} rows, N = {args.n}, ABBA, upstream torch threads: {threads}", flush=True)
             report["overhead"] = overhead(
-                model_dir, root, args.rows, args.n, args.max_tokens, args.upstream_threads, args.poll, args.rounds,
+                model_dir,
+                root,
+                args.rows,
+                args.n,
+                args.max_tokens,
+                args.upstream_threads,
+                args.poll,
+                args.rounds,
                 dict(item.split("=", 1) for item in args.upstream_env),
             )
             result = report["overhead"]

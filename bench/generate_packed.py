@@ -196,8 +196,15 @@ async def main() -> None:
         for slots in (int(s) for s in args.slots_list.split(",")):
             t, res, _ = await packed(ctx, rows, slots)
             same = sum(text(a) == text(b) for a, b in zip(res_single, res, strict=True))
-            run = {"slots": slots, "max_tokens": max_tokens, "rows": len(rows), "packed_s": round(t, 2),
-                   "single_s": round(t_single, 2), "ratio": round(t_single / t, 2), "identical_text": same}  # fmt: skip
+            run = {
+                "slots": slots,
+                "max_tokens": max_tokens,
+                "rows": len(rows),
+                "packed_s": round(t, 2),
+                "single_s": round(t_single, 2),
+                "ratio": round(t_single / t, 2),
+                "identical_text": same,
+            }
             print(json.dumps(run), flush=True)
             runs.append(run)
         out = RESULTS / "generate_packed_sweep.json"

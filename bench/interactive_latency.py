@@ -79,8 +79,9 @@ def main() -> None:
                 input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
             )
             wait_for(
-                lambda: (counts := client.batches.retrieve(batch.id).request_counts) is not None
-                and counts.completed >= 2,
+                lambda: (
+                    (counts := client.batches.retrieve(batch.id).request_counts) is not None and counts.completed >= 2
+                ),
                 timeout=600,
             )
             started = time.perf_counter()

@@ -58,8 +58,9 @@ def rows_file(prefix: str, n: int, max_tokens: int) -> bytes:
             "max_tokens": max_tokens,
             "temperature": 0,
         }
-        lines.append(json.dumps({"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                 "body": body}))  # fmt: skip
+        lines.append(
+            json.dumps({"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+        )
     return ("\n".join(lines) + "\n").encode()
 
 

@@ -64,13 +64,31 @@ SYSTEM = "You label product reviews. Answer with one word: positive or negative.
 
 SHAPES: dict[str, dict[str, Any]] = {
     # SmolLM2-135M's shape (random weights); the real model is the default.
-    "smollm2": dict(arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
-                    tie_word_embeddings=True, rope_theta=100000.0),
-    "qwen2.5-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
-                       tie_word_embeddings=False, rope_theta=1000000.0),
-}  # fmt: skip
+    "smollm2": dict(
+        arch="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "qwen2.5-7b": dict(
+        arch="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
+}
 
 
 def reviews(count: int) -> list[str]:
@@ -146,7 +164,7 @@ async def paired(service: Any, ctx: ServiceContext, bodies: Sequence[Any], steps
     together: dict[int, ServiceResult] = {}
     for k, (rows, plan) in enumerate(steps):
         subset = [bodies[i] for i in rows]
-        for side in ((0, 1) if k % 2 == 0 else (1, 0)):
+        for side in (0, 1) if k % 2 == 0 else (1, 0):
             start = time.perf_counter()
             results = await (singles(service, ctx, subset) if side == 0 else packed(service, ctx, subset, plan))
             if torch.cuda.is_available():
@@ -159,9 +177,13 @@ async def paired(service: Any, ctx: ServiceContext, bodies: Sequence[Any], steps
                 t_packed += elapsed
                 together.update(zip(rows, results))
     n = len(bodies)
-    return {"single": [alone[i] for i in range(n)], "packed": [together[i] for i in range(n)],
-            "single_rows_per_s": n / t_single, "packed_rows_per_s": n / t_packed,
-            "ratio": t_single / t_packed}  # fmt: skip
+    return {
+        "single": [alone[i] for i in range(n)],
+        "packed": [together[i] for i in range(n)],
+        "single_rows_per_s": n / t_single,
+        "packed_rows_per_s": n / t_packed,
+        "ratio": t_single / t_packed,
+    }
 
 
 def decision(result: ServiceResult) -> tuple[int | str, dict[str, float]]:
@@ -227,19 +249,29 @@ async def main() -> None:
     model = engine.info.model_id
     texts = reviews(args.rows)
     bodies = [
-        {"model": model, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": t}],
-         "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": 5, "seed": 0}
+        {
+            "model": model,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": t}],
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "seed": 0,
+        }
         for t in texts
-    ]  # fmt: skip
+    ]
     lengths = [len(engine.tokenize_chat([b["messages"][0], b["messages"][1]])) for b in bodies]
     by_length = sorted(range(len(bodies)), key=lambda i: lengths[i])
     orders = {"file": list(range(len(bodies))), "sorted": by_length, "reversed": by_length[::-1]}
     window = settings.batch_pack_window_rows
-    print(f"{model} on {engine.loaded.device} ({engine.info.dtype}), {len(bodies)} rows, tokens mean "
-          f"{np.mean(lengths):.1f} max {max(lengths)}; runner window {window} rows, budget "
-          f"{settings.batch_pack_token_budget} tokens, padding cap {settings.batch_pack_max_padding}; "
-          f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY "
-          f"{os.environ['OMP_WAIT_POLICY']}, load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    print(
+        f"{model} on {engine.loaded.device} ({engine.info.dtype}), {len(bodies)} rows, tokens mean "
+        f"{np.mean(lengths):.1f} max {max(lengths)}; runner window {window} rows, budget "
+        f"{settings.batch_pack_token_budget} tokens, padding cap {settings.batch_pack_max_padding}; "
+        f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY "
+        f"{os.environ['OMP_WAIT_POLICY']}, load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
 
     await singles(chat, ctx, bodies[:2])  # warm-up
     await packed(chat, ctx, bodies[:8], partial(budget_packs, budget=4096))
@@ -254,17 +286,27 @@ async def main() -> None:
     ]
     report: dict[str, Any] = {
         "setup": {
-            "model": model, "device": str(engine.loaded.device), "dtype": engine.info.dtype, "rows": len(bodies),
-            "mean_tokens": float(np.mean(lengths)), "max_tokens": max(lengths), "window_rows": window,
-            "token_budget": settings.batch_pack_token_budget, "max_padding": settings.batch_pack_max_padding,
-            "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-            "load_average_start": os.getloadavg()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
+            "model": model,
+            "device": str(engine.loaded.device),
+            "dtype": engine.info.dtype,
+            "rows": len(bodies),
+            "mean_tokens": float(np.mean(lengths)),
+            "max_tokens": max(lengths),
+            "window_rows": window,
+            "token_budget": settings.batch_pack_token_budget,
+            "max_padding": settings.batch_pack_max_padding,
+            "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+            "load_average_start": os.getloadavg()[0],
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "date": time.strftime("%Y-%m-%d"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         },
         "scoring": {},
         "embeddings": {},
-    }  # fmt: skip
+    }
     reference: list[ServiceResult] | None = None
     header = f"{'scoring':<30}{'single/s':>9}{'packed/s':>9}{'ratio':>7}{'max |dlogprob|':>16}{'top changed':>13}"
     print(header, flush=True)
@@ -279,8 +321,11 @@ async def main() -> None:
         entry["single_repeat_max_logprob_diff"] = agreement(reference, run["single"])["max_logprob_diff"]
         report["scoring"][name] = entry
         save(args.out, report)
-        print(f"{name:<30}{entry['single_rows_per_s']:>9.2f}{entry['packed_rows_per_s']:>9.2f}{entry['ratio']:>7.2f}"
-              f"{agree['max_logprob_diff']:>16.2e}{agree['top_token_changed']:>13d}", flush=True)  # fmt: skip
+        print(
+            f"{name:<30}{entry['single_rows_per_s']:>9.2f}{entry['packed_rows_per_s']:>9.2f}{entry['ratio']:>7.2f}"
+            f"{agree['max_logprob_diff']:>16.2e}{agree['top_token_changed']:>13d}",
+            flush=True,
+        )
 
     if not args.skip_embeddings:
         header = f"{'embeddings (runner/file)':<30}{'single/s':>9}{'packed/s':>9}{'ratio':>7}{'min cosine':>16}"
@@ -293,8 +338,11 @@ async def main() -> None:
             entry["min_cosine"] = min_cosine(run["single"], run["packed"])
             report["embeddings"][pooling] = entry
             save(args.out, report)
-            print(f"{pooling:<30}{entry['single_rows_per_s']:>9.2f}{entry['packed_rows_per_s']:>9.2f}"
-                  f"{entry['ratio']:>7.2f}{entry['min_cosine']:>16.7f}", flush=True)  # fmt: skip
+            print(
+                f"{pooling:<30}{entry['single_rows_per_s']:>9.2f}{entry['packed_rows_per_s']:>9.2f}"
+                f"{entry['ratio']:>7.2f}{entry['min_cosine']:>16.7f}",
+                flush=True,
+            )
 
     report["setup"]["load_average_end"] = os.getloadavg()[0]
     save(args.out, report)

@@ -42,9 +42,11 @@ def main() -> None:
 
         def start() -> ServerProcess:
             return ServerProcess(
-                model=EMBEDDED_MODEL_ID, database_url=url, data_dir=Path(tmp) / "var",
+                model=EMBEDDED_MODEL_ID,
+                database_url=url,
+                data_dir=Path(tmp) / "var",
                 env={"MISERVER_EXECUTION_LOG": str(log), "BATCH_POLL_SECONDS": "0.2"},
-            ).start()  # fmt: skip
+            ).start()
 
         server = start()
         client = server.client()
@@ -62,6 +64,7 @@ def main() -> None:
         restart_s = []
         try:
             for point in points:
+
                 def reached(server: ServerProcess = server, point: int = point) -> bool:
                     counts = server.client().batches.retrieve(batch.id).request_counts
                     return counts is not None and counts.completed >= point
@@ -103,10 +106,13 @@ def main() -> None:
     restarts = ", ".join(f"{s:.1f}" for s in restart_s)
     print(f"{args.rows} rows, {args.kills} kills at {points}; restarts took {restarts} s")
     print(f"rows executed / rows in the file: {result['executions_per_row']:.3f} ({executions}/{args.rows})")
-    print(f"re-runs of rows in flight at a kill: {result['reruns_in_flight']}; "
-          f"of recorded rows: {len(recorded_reruns)}")  # fmt: skip
-    print(f"recorded rows ratio (goal 1.00): {result['recorded_rows_ratio']:.2f}; "
-          f"each custom_id once: {result['each_custom_id_once']}")  # fmt: skip
+    print(
+        f"re-runs of rows in flight at a kill: {result['reruns_in_flight']}; of recorded rows: {len(recorded_reruns)}"
+    )
+    print(
+        f"recorded rows ratio (goal 1.00): {result['recorded_rows_ratio']:.2f}; "
+        f"each custom_id once: {result['each_custom_id_once']}"
+    )
     out_path = ROOT / "bench" / "results" / "resume.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))

@@ -157,9 +157,11 @@ def run(args: argparse.Namespace) -> int:
             base_url = server.base_url
             print(f"server ready at {base_url} after {time.monotonic() - ready_from:.1f} s")
         client = openai.OpenAI(
-            base_url=base_url + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "miserver"),
-            _strict_response_validation=True, max_retries=2,
-        )  # fmt: skip
+            base_url=base_url + "/v1",
+            api_key=os.environ.get("OPENAI_API_KEY", "miserver"),
+            _strict_response_validation=True,
+            max_retries=2,
+        )
         print(f"models: {', '.join(m.id for m in client.models.list())}")
         with input_path.open("rb") as fh:
             uploaded = client.files.create(file=(input_path.name, fh), purpose="batch")

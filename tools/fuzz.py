@@ -145,16 +145,20 @@ def main() -> int:
                 run_batch(http, pending, tally, timeout=1800)
                 send_requests(http, pending, tally)
                 pending.clear()
-                print(f"{time.monotonic() - started:7.0f} s  cases {tally.cases}  server errors "
-                      f"{tally.server_errors}", flush=True)  # fmt: skip
+                print(
+                    f"{time.monotonic() - started:7.0f} s  cases {tally.cases}  server errors {tally.server_errors}",
+                    flush=True,
+                )
             if enough():
                 raise Enough
 
         with contextlib.suppress(Enough):
             one_file()
     elapsed = time.monotonic() - started
-    print(f"cases run: {tally.cases} ({tally.lines} batch lines in {tally.batches} batches, "
-          f"{tally.requests} synchronous requests) in {elapsed:.0f} s")  # fmt: skip
+    print(
+        f"cases run: {tally.cases} ({tally.lines} batch lines in {tally.batches} batches, "
+        f"{tally.requests} synchronous requests) in {elapsed:.0f} s"
+    )
     print(f"server errors: {tally.server_errors}")
     print(f"error codes of refused lines: {json.dumps(dict(sorted(tally.codes.items())))}")
     if tally.first_failure:

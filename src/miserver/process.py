@@ -120,8 +120,18 @@ class ServerProcess:
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "miserver.cli", "serve", "--port", str(self.port),
-               "--data-dir", str(self.data_dir), "--log-level", self.log_level]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "miserver.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+            "--log-level",
+            self.log_level,
+        ]
         if self.database_url:
             cmd += ["--database-url", self.database_url]
         if self.model:
@@ -195,8 +205,16 @@ class WorkerProcess:
     """Spawns ``python -m miserver.cli worker`` (runner and engine, no HTTP) on a shared PostgreSQL database;
     ``start()`` returns once it logged that it is ready."""
 
-    def __init__(self, *, model: str, database_url: str, data_dir: Path, served_model_name: str | None = None,
-                 env: dict[str, str] | None = None, name: str = "worker") -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        model: str,
+        database_url: str,
+        data_dir: Path,
+        served_model_name: str | None = None,
+        env: dict[str, str] | None = None,
+        name: str = "worker",
+    ) -> None:
         self.model = model
         self.database_url = database_url
         self.data_dir = data_dir
@@ -208,8 +226,20 @@ class WorkerProcess:
 
     def start(self, timeout: float = 120.0) -> WorkerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "miserver.cli", "worker", "--database-url", self.database_url,
-               "--data-dir", str(self.data_dir), "--model", self.model, "--worker-id", self.name]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "miserver.cli",
+            "worker",
+            "--database-url",
+            self.database_url,
+            "--data-dir",
+            str(self.data_dir),
+            "--model",
+            self.model,
+            "--worker-id",
+            self.name,
+        ]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         self.proc = SPAWN(cmd, {**os.environ, **self.extra_env}, self.log_path, False)

@@ -80,8 +80,15 @@ def test_lifecycle_timestamps_and_fields(module_server: ServerProcess) -> None:
     assert batch.request_counts is not None
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (0, 0, 0)
     assert batch.output_file_id is None and batch.error_file_id is None
-    for name in ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
-                 "cancelled_at"):  # fmt: skip
+    for name in (
+        "in_progress_at",
+        "finalizing_at",
+        "completed_at",
+        "failed_at",
+        "expired_at",
+        "cancelling_at",
+        "cancelled_at",
+    ):
         assert getattr(batch, name) is None, name
     assert (batch.model_extra or {}).get("millm", {}).get("pack") is False
 
@@ -122,8 +129,10 @@ def test_lifecycle_timestamps_and_fields(module_server: ServerProcess) -> None:
 def test_list_newest_first_and_paginates(module_server: ServerProcess) -> None:
     client = module_server.client()
     file_id = invalid_only_file(client)
-    mine = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
-            for _ in range(5)]  # fmt: skip
+    mine = [
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
+        for _ in range(5)
+    ]
     for bid in mine:
         assert wait_terminal(client, bid).status == "failed"
     everything = batch_ids(client)
@@ -178,10 +187,16 @@ BAD_CREATES: list[tuple[str, dict[str, Any], str]] = [
     ("no endpoint", {"endpoint": None}, "endpoint"),
     ("no window", {"completion_window": None}, "completion_window"),
     ("metadata not strings", {"metadata": {"k": 1}}, "metadata"),
-    ("output expiry too short", {"output_expires_after": {"anchor": "created_at", "seconds": 3599}},
-     "output_expires_after"),
-    ("output expiry too long", {"output_expires_after": {"anchor": "created_at", "seconds": 2_592_001}},
-     "output_expires_after"),
+    (
+        "output expiry too short",
+        {"output_expires_after": {"anchor": "created_at", "seconds": 3599}},
+        "output_expires_after",
+    ),
+    (
+        "output expiry too long",
+        {"output_expires_after": {"anchor": "created_at", "seconds": 2_592_001}},
+        "output_expires_after",
+    ),
 ]  # a None value is left out of the body
 
 
@@ -208,9 +223,11 @@ def test_input_file_of_purpose_batch_output_is_refused(module_server: ServerProc
     done = wait_terminal(client, submit(client, jsonl([line("a", chat_body("x", max_tokens=1))])).id)
     assert done.output_file_id is not None
     exc = api_error(
-        client.batches.create, input_file_id=done.output_file_id, endpoint="/v1/chat/completions",
+        client.batches.create,
+        input_file_id=done.output_file_id,
+        endpoint="/v1/chat/completions",
         completion_window="24h",
-    )  # fmt: skip
+    )
     assert exc.status_code == 400
     assert error_of(exc)["param"] == "input_file_id"
 
@@ -225,9 +242,11 @@ def test_accepted_windows_and_metadata_echo(module_server: ServerProcess) -> Non
     created = []
     for window, hours in (("1h", 1), ("24h", 24), ("168h", 168)):
         b = client.batches.create(
-            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window=window,  # type: ignore[arg-type]
+            input_file_id=file_id,
+            endpoint="/v1/chat/completions",
+            completion_window=window,  # type: ignore[arg-type]
             metadata=metadata,
-        )  # fmt: skip
+        )
         assert b.completion_window == window
         assert b.expires_at == b.created_at + hours * 3600
         assert b.metadata == metadata
@@ -307,10 +326,11 @@ def test_line_validation_errors(module_server: ServerProcess) -> None:
     # The same body refused by the synchronous route (strict, as batch lines are): same status and error.
     for number, body in ((11, chat_body("u", frobnicate=1)), (12, chat_body("m", model="no-such-model"))):
         exc = api_error(
-            client.chat.completions.create, **{k: v for k, v in body.items() if k != "frobnicate"},
+            client.chat.completions.create,
+            **{k: v for k, v in body.items() if k != "frobnicate"},
             extra_body={"frobnicate": 1} if "frobnicate" in body else None,
             extra_headers={"X-miLLM-Strict": "true"},
-        )  # fmt: skip
+        )
         mine = next(x for x in err_lines if x["millm"]["line"] == number)
         assert exc.status_code == mine["response"]["status_code"]
         assert error_of(exc) == mine["response"]["body"]["error"]
@@ -320,12 +340,14 @@ def test_bom_crlf_and_blank_lines(module_server: ServerProcess) -> None:
     client = module_server.client()
     data = (
         b"\xef\xbb\xbf"
-        + json.dumps(line("a", chat_body("one", max_tokens=1))).encode() + b"\r\n"
+        + json.dumps(line("a", chat_body("one", max_tokens=1))).encode()
         + b"\r\n"
-        + json.dumps(line("b", chat_body("two", max_tokens=1))).encode() + b"\r\n"
+        + b"\r\n"
+        + json.dumps(line("b", chat_body("two", max_tokens=1))).encode()
+        + b"\r\n"
         + b"not json\r\n"
         + b"\n"
-    )  # fmt: skip
+    )
     done = wait_terminal(client, submit(client, data).id)
     assert done.status == "completed"
     assert done.request_counts is not None
@@ -370,10 +392,12 @@ def test_empty_file_fails_the_batch(module_server: ServerProcess, data: bytes) -
 def test_model_prefix_names_the_exact_id(quantized_server: ServerProcess) -> None:
     client = quantized_server.client()
     prefix = QUANTIZED_ID.split(":")[0]
-    data = jsonl([
-        line("prefix", chat_body("a", model=prefix)),
-        line("exact", chat_body("b", model=QUANTIZED_ID, max_tokens=1)),
-    ])  # fmt: skip
+    data = jsonl(
+        [
+            line("prefix", chat_body("a", model=prefix)),
+            line("exact", chat_body("b", model=QUANTIZED_ID, max_tokens=1)),
+        ]
+    )
     done = wait_terminal(client, submit(client, data).id)
     assert done.status == "completed"
     assert done.model == QUANTIZED_ID
@@ -386,8 +410,9 @@ def test_model_prefix_names_the_exact_id(quantized_server: ServerProcess) -> Non
     assert error["param"] == "model"
     assert f"'{QUANTIZED_ID}'" in error["message"] or f'"{QUANTIZED_ID}"' in error["message"], error
     assert done.errors is not None and done.errors.data[0].message == error["message"]
-    sync = api_error(client.chat.completions.create, model=prefix, messages=[{"role": "user", "content": "a"}],
-                     max_tokens=2)  # fmt: skip
+    sync = api_error(
+        client.chat.completions.create, model=prefix, messages=[{"role": "user", "content": "a"}], max_tokens=2
+    )
     assert sync.status_code == 404
     assert error_of(sync) == error
 
@@ -403,10 +428,16 @@ def test_results_order_usage_provenance_and_sync_equivalence(module_server: Serv
         "r2": chat_body(LONG_PROMPT, max_tokens=300, seed=1),  # fails on its own merits at run time
         "r3": chat_body("gamma", max_tokens=2),
         "r4": chat_body("delta", max_tokens=3, seed=13, n=2),
-        "r5": {"model": "tiny", "messages": [{"role": "system", "content": "Be short."},
-                                             {"role": "user", "content": [{"type": "text", "text": "eps"}]}],
-               "max_completion_tokens": 2, "seed": 14},
-    }  # fmt: skip
+        "r5": {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": "Be short."},
+                {"role": "user", "content": [{"type": "text", "text": "eps"}]},
+            ],
+            "max_completion_tokens": 2,
+            "seed": 14,
+        },
+    }
     ids = list(bodies)
     done = wait_terminal(client, submit(client, jsonl([line(cid, b) for cid, b in bodies.items()])).id)
     assert done.status == "completed", done
@@ -517,8 +548,12 @@ def test_completions_endpoint_batch(module_server: ServerProcess) -> None:
 def test_cancel_in_progress(module_server: ServerProcess) -> None:
     client = module_server.client()
     ids = [f"row-{i:02d}" for i in range(60)]
-    data = jsonl([line(cid, chat_body(f"Write a long story number {i}", max_tokens=64, stop=["\u2603never\u2603"]))
-                  for i, cid in enumerate(ids)])  # fmt: skip
+    data = jsonl(
+        [
+            line(cid, chat_body(f"Write a long story number {i}", max_tokens=64, stop=["\u2603never\u2603"]))
+            for i, cid in enumerate(ids)
+        ]
+    )
     batch = submit(client, data)
     wait_for(lambda: (b := client.batches.retrieve(batch.id)).request_counts.completed >= 1 and b, timeout=120)
 
@@ -587,8 +622,9 @@ def test_cancel_ends_a_long_chunk_at_the_next_row(tiny_model_dir: Path, tmp_path
     with tiny_server_process(tiny_model_dir, tmp_path, env=env) as server:
         client = server.client()
         ids = [f"row-{i:03d}" for i in range(rows)]
-        data = jsonl([line(cid, chat_body(f"Story {i}", max_tokens=64, stop=["\u2603never\u2603"]))
-                      for i, cid in enumerate(ids)])  # fmt: skip
+        data = jsonl(
+            [line(cid, chat_body(f"Story {i}", max_tokens=64, stop=["\u2603never\u2603"])) for i, cid in enumerate(ids)]
+        )
         batch = submit(client, data)
         wait_for(lambda: (b := client.batches.retrieve(batch.id)).request_counts.completed >= 1 and b, timeout=120)
         cancelling = client.batches.cancel(batch.id)

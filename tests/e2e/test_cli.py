@@ -60,18 +60,14 @@ def test_batch_run_without_paths_names_the_files(sqlite_module_server: ServerPro
 def test_a_failed_batch_says_why_and_exits_1(sqlite_module_server: ServerProcess, tmp_path: Path) -> None:
     source = tmp_path / "all-bad.jsonl"
     source.write_text(json.dumps(line("bad", chat_body("hi", foo=1))) + "\n")
-    result = CliRunner().invoke(
-        main, ["batch", "run", str(source), "--url", sqlite_module_server.base_url]
-    )
+    result = CliRunner().invoke(main, ["batch", "run", str(source), "--url", sqlite_module_server.base_url])
     assert result.exit_code == 1
     assert ": failed, 0 completed, 1 failed of 1" in result.stdout
     assert "unknown_parameter" in result.stderr and "line 1" in result.stderr
 
 
 def test_an_unknown_batch_is_one_line_not_a_traceback(sqlite_module_server: ServerProcess) -> None:
-    result = CliRunner().invoke(
-        main, ["batch", "status", "batch_nope", "--url", sqlite_module_server.base_url]
-    )
+    result = CliRunner().invoke(main, ["batch", "status", "batch_nope", "--url", sqlite_module_server.base_url])
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: 404") and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

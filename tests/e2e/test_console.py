@@ -30,7 +30,6 @@ ENV = {"BATCH_POLL_SECONDS": "0.2", "BATCH_CHUNK_ROWS": "2", "BATCH_MAX_ROWS": "
 ARTIFACTS = Path(os.environ.get("MISERVER_ARTIFACTS_DIR", "test-artifacts")) / "console"
 
 
-
 class Console:
     """The server, its keys, the SDK clients and the browser page of the module."""
 

@@ -61,13 +61,18 @@ def test_encodings_blank_lines_and_line_numbers(module_server: ServerProcess) ->
     client = module_server.client()
     ok = json.dumps(line("a", chat_body("h\u00e9llo \u2603"))).encode()
     data = (
-        b"\xef\xbb\xbf" + ok + b"\r\n"  # BOM and CRLF
+        b"\xef\xbb\xbf"
+        + ok
+        + b"\r\n"  # BOM and CRLF
         + b"\r\n   \n"  # blank lines: skipped, not counted, but numbered
-        + json.dumps(line("b", chat_body("x"))).encode()[:-1] + b"\xff}\n"  # invalid UTF-8
-        + json.dumps(line("c" * 65, chat_body("x"))).encode() + b"\n"  # custom_id too long
-        + json.dumps(line("d", chat_body("x"), url="/chat/completions")).encode() + b"\n"
+        + json.dumps(line("b", chat_body("x"))).encode()[:-1]
+        + b"\xff}\n"  # invalid UTF-8
+        + json.dumps(line("c" * 65, chat_body("x"))).encode()
+        + b"\n"  # custom_id too long
+        + json.dumps(line("d", chat_body("x"), url="/chat/completions")).encode()
+        + b"\n"
         + json.dumps(line("e", chat_body("x", stream=True, stream_options={"include_usage": True}))).encode()
-    )  # fmt: skip
+    )
     done = wait_terminal(client, submit(client, data).id)
     assert done.request_counts is not None
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 1, 4)
@@ -105,8 +110,12 @@ def test_idempotency_keys(module_server: ServerProcess) -> None:
     data = jsonl([line("a", chat_body("hi"))])
 
     def upload(content: bytes, key: str) -> httpx.Response:
-        return http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", content)},
-                         headers={"Idempotency-Key": key})  # fmt: skip
+        return http.post(
+            "/v1/files",
+            data={"purpose": "batch"},
+            files={"file": ("in.jsonl", content)},
+            headers={"Idempotency-Key": key},
+        )
 
     files_before = len(http.get("/v1/files").json()["data"])
     batches_before = len(http.get("/v1/batches", params={"limit": 100}).json()["data"])

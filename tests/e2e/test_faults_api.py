@@ -54,9 +54,12 @@ class InProcessServer:
 def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     data = tmp_path_factory.mktemp("faults")
     settings = Settings(
-        model=str(tiny_model_dir), served_model_name="tiny", data_dir=data, database_url=f"sqlite:///{data / 'db'}",
+        model=str(tiny_model_dir),
+        served_model_name="tiny",
+        data_dir=data,
+        database_url=f"sqlite:///{data / 'db'}",
         batch_poll_seconds=0.05,
-    )  # fmt: skip
+    )
     with InProcessServer(create_app(settings)) as server:
         yield server
 
@@ -296,8 +299,12 @@ def test_a_non_finite_number_in_anthropic_and_in_batch_lines(http: httpx.Client,
     assert r.json()["error"]["message"] == "Invalid value for 'temperature': Input should be a finite number."
 
     good = {"model": "tiny", "messages": USER, "max_tokens": 2}
-    rows = [line("nan", {**good, "temperature": NAN}), line("ok", good), line("inf", {**good, "top_p": INF}),
-            line("big", {**good, "frequency_penalty": 1e999})]  # fmt: skip
+    rows = [
+        line("nan", {**good, "temperature": NAN}),
+        line("ok", good),
+        line("inf", {**good, "top_p": INF}),
+        line("big", {**good, "frequency_penalty": 1e999}),
+    ]
     batch = wait_terminal(sdk, submit(sdk, "".join(json.dumps(x) + "\n" for x in rows).encode()).id)
     assert batch.status == "completed", batch.errors
     errors = read_lines(sdk, batch.error_file_id)

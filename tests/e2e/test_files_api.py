@@ -224,6 +224,7 @@ def test_expires_after(server: ServerProcess) -> None:
 
 # -- limits (DESIGN §6) ---------------------------------------------------------------------------------------
 
+
 def _json_line(n: int) -> bytes:
     """A line of exactly ``n`` bytes (without its newline)."""
     head = b'{"pad": "'
@@ -274,9 +275,7 @@ def test_rows_limit(server: ServerProcess) -> None:
 
 def test_limit_refusal_answers_with_request_id_and_server_keeps_working(server: ServerProcess) -> None:
     http = server.http()
-    r = http.post(
-        "/v1/files", files={"file": ("big.jsonl", b"x" * (MAX_FILE + 1)), "purpose": (None, "batch")}
-    )
+    r = http.post("/v1/files", files={"file": ("big.jsonl", b"x" * (MAX_FILE + 1)), "purpose": (None, "batch")})
     assert r.status_code == 413, r.text
     assert r.headers["x-request-id"]
     assert r.json()["error"]["type"] == "invalid_request_error"

@@ -189,9 +189,12 @@ def test_a_line_naming_a_model_nobody_serves_fails_the_batch_at_validation(clien
     # failed (nobody cancelled it)
     errors = read_lines(client, done.error_file_id)
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
-        ("r0", "batch_failed"), ("r1", "batch_failed"), ("r2", "batch_failed"), ("nobody", "model_not_found"),
+        ("r0", "batch_failed"),
+        ("r1", "batch_failed"),
+        ("r2", "batch_failed"),
+        ("nobody", "model_not_found"),
         ("r3", "batch_failed"),
-    ]  # fmt: skip
+    ]
 
 
 def test_an_upstream_batch_has_an_eta_from_its_own_progress(client: openai.OpenAI) -> None:
@@ -218,9 +221,11 @@ def test_a_batch_that_expires_while_its_pool_is_down(fleet: dict[str, Any], clie
     wait_for(lambda: (c := client.batches.retrieve(batch.id).request_counts) is not None and c.completed >= 2)
     fleet["gone"].kill9()
     waiting = wait_for(
-        lambda: (b := client.batches.retrieve(batch.id)).model_extra["millm"]["waiting_reason"]  # type: ignore[index]
-        == "upstream_unavailable"
-        and b
+        lambda: (
+            (b := client.batches.retrieve(batch.id)).model_extra["millm"]["waiting_reason"]  # type: ignore[index]
+            == "upstream_unavailable"
+            and b
+        )
     )
     assert waiting.status == "in_progress"
     with pytest.raises(openai.APIStatusError) as caught:  # a synchronous request is told at once

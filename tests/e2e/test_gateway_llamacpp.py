@@ -35,8 +35,19 @@ def _gguf() -> Path:
 def llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("llamacpp") / "server.log"
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(_gguf()), "--model_alias", ALIAS,
-           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(_gguf()),
+        "--model_alias",
+        ALIAS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

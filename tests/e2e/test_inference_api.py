@@ -86,7 +86,11 @@ def test_completion_length_limit(client: openai.OpenAI) -> None:
 def test_same_seed_same_output(client: openai.OpenAI) -> None:
     def chat(seed: int) -> str:
         r = client.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=seed  # type: ignore[arg-type]
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,  # type: ignore[arg-type]
         )
         return r.choices[0].message.content or ""
 
@@ -136,7 +140,12 @@ def test_stop(client: openai.OpenAI) -> None:
 
 def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=4, seed=2, logprobs=True, top_logprobs=3  # type: ignore[arg-type]
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=4,
+        seed=2,
+        logprobs=True,
+        top_logprobs=3,  # type: ignore[arg-type]
     )
     lp = r.choices[0].logprobs
     assert lp is not None and lp.content is not None
@@ -191,8 +200,10 @@ def test_streaming_chat_equals_non_streamed(client: openai.OpenAI) -> None:
     assert last.choices == []
     assert last.usage is not None and full.usage is not None
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
-        full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens,
-    )  # fmt: skip
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+        full.usage.total_tokens,
+    )
     assert all(c.usage is None for c in chunks[:-1])
     # without include_usage no chunk carries usage
     plain = list(client.chat.completions.create(**kwargs, stream=True))
@@ -216,8 +227,9 @@ def test_streaming_completion_equals_non_streamed(client: openai.OpenAI, server:
     assert last.choices == []
     assert last.usage is not None and full.usage is not None
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
-        full.usage.prompt_tokens, full.usage.completion_tokens,
-    )  # fmt: skip
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
         full.choices[0].finish_reason
     ]
@@ -225,7 +237,11 @@ def test_streaming_completion_equals_non_streamed(client: openai.OpenAI, server:
 
 def test_streaming_response_headers(client: openai.OpenAI) -> None:
     with client.chat.completions.with_streaming_response.create(
-        model="tiny", messages=MESSAGES, max_tokens=2, seed=5, stream=True  # type: ignore[arg-type]
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=2,
+        seed=5,
+        stream=True,  # type: ignore[arg-type]
     ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["x-millm-seed"] == '5;scope="request"'
@@ -239,7 +255,10 @@ def test_streaming_response_headers(client: openai.OpenAI) -> None:
 
 def test_provenance_headers(client: openai.OpenAI, server: ServerProcess) -> None:
     seeded = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=MESSAGES, max_tokens=1, seed=5  # type: ignore[arg-type]
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=1,
+        seed=5,  # type: ignore[arg-type]
     )
     h = seeded.headers
     assert h["x-millm-model"] == "tiny"
@@ -354,27 +373,40 @@ def test_missing_and_wrongly_typed_fields(client: openai.OpenAI, server: ServerP
 
 def test_unknown_field_ignored_unless_strict(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"frobnicate": True}  # type: ignore[arg-type]
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=1,
+        extra_body={"frobnicate": True},  # type: ignore[arg-type]
     )
     assert r.choices
     t = client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"frobnicate": True})
     assert t.choices
     exc = api_error(
-        client.chat.completions.create, model="tiny", messages=MESSAGES, max_tokens=1,
-        extra_body={"frobnicate": True}, extra_headers={"X-miLLM-Strict": "true"},
-    )  # fmt: skip
+        client.chat.completions.create,
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=1,
+        extra_body={"frobnicate": True},
+        extra_headers={"X-miLLM-Strict": "true"},
+    )
     _assert_error(exc, 400, "unknown_parameter", "frobnicate")
     exc = api_error(
-        client.completions.create, model="tiny", prompt="x", max_tokens=1,
-        extra_body={"frobnicate": True}, extra_headers={"X-miLLM-Strict": "true"},
-    )  # fmt: skip
+        client.completions.create,
+        model="tiny",
+        prompt="x",
+        max_tokens=1,
+        extra_body={"frobnicate": True},
+        extra_headers={"X-miLLM-Strict": "true"},
+    )
     _assert_error(exc, 400, "unknown_parameter", "frobnicate")
     # a nested unknown field is named by its path
     exc = api_error(
-        client.chat.completions.create, model="tiny", max_tokens=1,
+        client.chat.completions.create,
+        model="tiny",
+        max_tokens=1,
         messages=[{"role": "user", "content": "x", "colour": "red"}],  # type: ignore[list-item]
         extra_headers={"X-miLLM-Strict": "true"},
-    )  # fmt: skip
+    )
     _assert_error(exc, 400, "unknown_parameter", "messages[0].colour")
 
 
@@ -387,9 +419,13 @@ def test_unsupported_parameters(client: openai.OpenAI) -> None:
     ):
         for headers in (None, {"X-miLLM-Strict": "true"}):  # refused in both modes
             exc = api_error(
-                client.chat.completions.create, model="tiny", messages=MESSAGES, max_tokens=1,
-                extra_headers=headers, **kwargs,
-            )  # fmt: skip
+                client.chat.completions.create,
+                model="tiny",
+                messages=MESSAGES,
+                max_tokens=1,
+                extra_headers=headers,
+                **kwargs,
+            )
             _assert_error(exc, 400, "unsupported_parameter", param)
 
 
@@ -422,26 +458,39 @@ def test_never_a_500(server: ServerProcess) -> None:
     """A sweep of malformed requests: every answer is a 4xx with the OpenAI envelope, never a 5xx."""
     http = server.http()
     bodies: list[Any] = [
-        None, 1, "x", [], {}, {"model": None}, {"model": "tiny", "messages": None},
-        {"model": "tiny", "messages": [{}]}, {"model": "tiny", "messages": [{"role": "user", "content": 5}]},
+        None,
+        1,
+        "x",
+        [],
+        {},
+        {"model": None},
+        {"model": "tiny", "messages": None},
+        {"model": "tiny", "messages": [{}]},
+        {"model": "tiny", "messages": [{"role": "user", "content": 5}]},
         {"model": "tiny", "messages": [{"role": "user", "content": [IMAGE_PART]}]},
         {"model": "tiny", "messages": MESSAGES, "max_tokens": -1},
         {"model": "tiny", "messages": MESSAGES, "max_tokens": 0},
         {"model": "tiny", "messages": MESSAGES, "max_tokens": 10**12},
-        {"model": "tiny", "messages": MESSAGES, "top_p": 2}, {"model": "tiny", "messages": MESSAGES, "seed": "s"},
+        {"model": "tiny", "messages": MESSAGES, "top_p": 2},
+        {"model": "tiny", "messages": MESSAGES, "seed": "s"},
         {"model": "tiny", "messages": MESSAGES, "stream_options": {"include_usage": "yes"}},
         {"model": "tiny", "messages": MESSAGES, "top_logprobs": 50, "logprobs": True},
-    ]  # fmt: skip
+    ]
     for body in bodies:
         r = http.post("/v1/chat/completions", json=body)
         assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
         assert set(r.json()["error"]) >= {"message", "type", "param", "code"}, r.text
     text_bodies: list[Any] = [
-        {"model": "tiny", "prompt": []}, {"model": "tiny", "prompt": [[]]}, {"model": "tiny", "prompt": [10**9]},
-        {"model": "tiny", "prompt": [-1]}, {"model": "tiny", "prompt": [1.5]}, {"model": "tiny", "prompt": "x", "n": 0},
-        {"model": "tiny", "prompt": "x", "suffix": "y"}, {"model": "tiny", "prompt": "x", "best_of": 3},
+        {"model": "tiny", "prompt": []},
+        {"model": "tiny", "prompt": [[]]},
+        {"model": "tiny", "prompt": [10**9]},
+        {"model": "tiny", "prompt": [-1]},
+        {"model": "tiny", "prompt": [1.5]},
+        {"model": "tiny", "prompt": "x", "n": 0},
+        {"model": "tiny", "prompt": "x", "suffix": "y"},
+        {"model": "tiny", "prompt": "x", "best_of": 3},
         {"model": "tiny", "prompt": "x", "logprobs": 21},
-    ]  # fmt: skip
+    ]
     for body in text_bodies:
         r = http.post("/v1/completions", json=body)
         assert 400 <= r.status_code < 500, (body, r.status_code, r.text)

@@ -78,8 +78,10 @@ def test_batch_holds_its_own_lease_and_releases_it(server: ServerProcess) -> Non
     batch = submit(client, rows(12))
     holder = f"millm-batch:{batch.id}"
     wait_for(
-        lambda: http.get("/api/lease").json().get("holder") == holder
-        or client.batches.retrieve(batch.id).status == "completed"
+        lambda: (
+            http.get("/api/lease").json().get("holder") == holder
+            or client.batches.retrieve(batch.id).status == "completed"
+        )
     )
     done = wait_terminal(client, batch.id)
     assert done.status == "completed"

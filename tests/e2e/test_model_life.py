@@ -60,15 +60,19 @@ def test_write_commit_abort_and_the_revision(server: ServerProcess) -> None:
     assert tensors[NORM] == {"name": NORM, "shape": [64], "dtype": "float32"}
     before = chat(http)
     base, text = before.headers["x-millm-weights"], ok(before)["choices"][0]["message"]["content"]
-    error(http.post("/api/weights/write", json={"tensor": NORM, "op": "scale", "value": -1}), 409,
-          "weights_write_not_open")  # fmt: skip
+    error(
+        http.post("/api/weights/write", json={"tensor": NORM, "op": "scale", "value": -1}),
+        409,
+        "weights_write_not_open",
+    )
 
     assert ok(http.post("/api/weights/begin"))["torn"] is True
     error(http.post("/api/weights/begin"), 409, "weights_write_open")
     error(chat(http), 409, "weights_torn")  # no request starts mid-write
     # checks name the field, the tensor and the expected shape; nothing is written
-    err = error(http.post("/api/weights/write", json={"tensor": NORM, "op": "set", "value": [1.0, 2.0]}), 400,
-                "invalid_value")  # fmt: skip
+    err = error(
+        http.post("/api/weights/write", json={"tensor": NORM, "op": "set", "value": [1.0, 2.0]}), 400, "invalid_value"
+    )
     assert err["param"] == "value" and NORM in err["message"] and "[64]" in err["message"]
     bad = {"tensor": "model.nope", "op": "add", "value": 1}
     assert error(http.post("/api/weights/write", json=bad), 400, "invalid_value")["param"] == "tensor"
@@ -95,8 +99,11 @@ def test_write_commit_abort_and_the_revision(server: ServerProcess) -> None:
     # a safetensors upload of the original norm (ones) restores the base weights: a new revision, the base text
     ok(http.post("/api/weights/begin"))
     wrong = save_safetensors({NORM: torch.ones(64, dtype=torch.float64)})
-    err = error(http.post("/api/weights/write", content=wrong, headers={"Content-Type": "application/octet-stream"}),
-                400, "invalid_value")  # fmt: skip
+    err = error(
+        http.post("/api/weights/write", content=wrong, headers={"Content-Type": "application/octet-stream"}),
+        400,
+        "invalid_value",
+    )
     assert "float64" in err["message"] and "float32" in err["message"]
     upload = save_safetensors({NORM: torch.ones(64)})
     ok(http.post("/api/weights/write", content=upload, headers={"Content-Type": "application/octet-stream"}))
@@ -230,10 +237,24 @@ def test_checkpoint_save_resolution_and_load(server: ServerProcess) -> None:
 def test_catalogue_aliases_cli_and_loading_events(server: ServerProcess, tiny_model_dir: Path) -> None:
     http = server.http()
     added = subprocess.run(
-        [sys.executable, "-m", "miserver.cli", "models", "--url", server.base_url, "add", "tiny", str(tiny_model_dir),
-         "--alias", "Tiny-Model"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "miserver.cli",
+            "models",
+            "--url",
+            server.base_url,
+            "add",
+            "tiny",
+            str(tiny_model_dir),
+            "--alias",
+            "Tiny-Model",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert added.returncode == 0, added.stderr
     entry = {m["id"]: m for m in ok(http.get("/api/models"))["data"]}["tiny"]
     assert entry["aliases"] == ["Tiny-Model"] and entry["kind"] == "directory" and entry["bytes"] > 0

@@ -85,8 +85,9 @@ def test_ag_news_topics_through_the_batch_api(real_server: ServerProcess) -> Non
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", extra_body={"pack": True}
     )
     done = wait_for(
-        lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed", "expired", "cancelled")
-        and b,
+        lambda: (
+            (b := client.batches.retrieve(batch.id)).status in ("completed", "failed", "expired", "cancelled") and b
+        ),
         timeout=1800,  # about 2 minutes on an idle 2-core machine; far longer when the cores are shared
         interval=0.5,
     )

@@ -92,9 +92,17 @@ def test_same_text_as_the_equivalent_chat_request(client: openai.OpenAI) -> None
 
 def test_text_format_text_and_neutral_values_are_accepted(client: openai.OpenAI) -> None:
     r = client.responses.create(
-        model="tiny", input="x", max_output_tokens=MAX, text={"format": {"type": "text"}}, tools=[],
-        tool_choice="auto", background=False, truncation="disabled", service_tier="auto", store=False,
-    )  # fmt: skip
+        model="tiny",
+        input="x",
+        max_output_tokens=MAX,
+        text={"format": {"type": "text"}},
+        tools=[],
+        tool_choice="auto",
+        background=False,
+        truncation="disabled",
+        service_tier="auto",
+        store=False,
+    )
     assert r.object == "response" and r.model_dump()["store"] is False
 
 
@@ -158,8 +166,11 @@ def test_stream_with_the_sdk_helper(client: openai.OpenAI) -> None:
         events = list(stream)
     kinds = [e.type for e in events]
     assert kinds[:4] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"
-    ]  # fmt: skip
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     end = kinds.index("response.output_text.done")
     assert set(kinds[4:end]) == {"response.output_text.delta"}
     assert kinds[end:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
@@ -203,21 +214,41 @@ REFUSED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
     ("include", {"include": ["message.output_text.logprobs"]}, 400, "unsupported_parameter", "include"),
     ("stop", {"stop": ["\n"]}, 400, "unsupported_parameter", "stop"),
     ("top-logprobs", {"top_logprobs": 2}, 400, "unsupported_parameter", "top_logprobs"),
-    ("json-schema", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400,
-     "unsupported_parameter", "text.format"),
+    (
+        "json-schema",
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+        400,
+        "unsupported_parameter",
+        "text.format",
+    ),
     ("format-type", {"text": {"format": {"type": "yaml"}}}, 400, "invalid_value", "text.format.type"),
-    ("image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     400, "unsupported_value", "input[0].content[0].type"),
-    ("file", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
-     400, "unsupported_value", "input[0].content[0].type"),
-    ("function-call", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
-     400, "unsupported_value", "input[0].type"),
+    (
+        "image",
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+        400,
+        "unsupported_value",
+        "input[0].content[0].type",
+    ),
+    (
+        "file",
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
+        400,
+        "unsupported_value",
+        "input[0].content[0].type",
+    ),
+    (
+        "function-call",
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+        400,
+        "unsupported_value",
+        "input[0].type",
+    ),
     ("bad-role", {"input": [{"role": "tool", "content": "x"}]}, 400, "invalid_value", "input[0].role"),
     ("few-tokens", {"max_output_tokens": 5}, 400, "invalid_value", "max_output_tokens"),
     ("unknown-field", {"frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
     ("no-input", {"input": None}, 400, "missing_required_parameter", "input"),
     ("no-model", {"model": "no-such-model"}, 404, "model_not_found", "model"),
-]  # fmt: skip
+]
 
 
 def _refused_body(change: dict[str, Any]) -> dict[str, Any]:
@@ -269,10 +300,18 @@ def test_a_batch_of_responses_lines_end_to_end(client: openai.OpenAI) -> None:
     bodies = [
         {"model": "tiny", "input": p, "max_output_tokens": MAX, "temperature": 0, "store": False} for p in prompts
     ]
-    bodies.append({"model": "tiny", "input": [{"role": "user", "content": "Four."}], "max_output_tokens": MAX,
-                   "temperature": 0, "instructions": "Short."})  # fmt: skip
-    done = wait_terminal(client, submit(client, jsonl(line(f"r-{i}", b, url=URL) for i, b in enumerate(bodies)),
-                                        endpoint=URL).id)  # fmt: skip
+    bodies.append(
+        {
+            "model": "tiny",
+            "input": [{"role": "user", "content": "Four."}],
+            "max_output_tokens": MAX,
+            "temperature": 0,
+            "instructions": "Short.",
+        }
+    )
+    done = wait_terminal(
+        client, submit(client, jsonl(line(f"r-{i}", b, url=URL) for i, b in enumerate(bodies)), endpoint=URL).id
+    )
     assert done.status == "completed" and done.endpoint == URL and done.error_file_id is None
     assert done.request_counts is not None and done.request_counts.completed == len(bodies)
     out = read_lines(client, done.output_file_id)

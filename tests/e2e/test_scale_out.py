@@ -23,12 +23,22 @@ def test_server_and_two_workers_share_a_batch_and_survive_a_worker_kill(tiny_mod
     env = {"BATCH_CHUNK_ROWS": "3", "BATCH_CLAIM_TTL_SECONDS": "3", "BATCH_POLL_SECONDS": "0.2"}
     logs = {name: tmp_path / f"{name}.executions" for name in ("server", "w1", "w2")}
     with postgres_database() as url:
-        server = ServerProcess(model=str(tiny_model_dir), served_model_name="tiny", database_url=url,
-                               data_dir=tmp_path / "server",
-                               env={**env, "MISERVER_EXECUTION_LOG": str(logs["server"])})  # fmt: skip
+        server = ServerProcess(
+            model=str(tiny_model_dir),
+            served_model_name="tiny",
+            database_url=url,
+            data_dir=tmp_path / "server",
+            env={**env, "MISERVER_EXECUTION_LOG": str(logs["server"])},
+        )
         workers = [
-            WorkerProcess(model=str(tiny_model_dir), served_model_name="tiny", database_url=url, name=name,
-                          data_dir=tmp_path / name, env={**env, "MISERVER_EXECUTION_LOG": str(logs[name])})  # fmt: skip
+            WorkerProcess(
+                model=str(tiny_model_dir),
+                served_model_name="tiny",
+                database_url=url,
+                name=name,
+                data_dir=tmp_path / name,
+                env={**env, "MISERVER_EXECUTION_LOG": str(logs[name])},
+            )
             for name in ("w1", "w2")
         ]
         with server:
@@ -63,7 +73,9 @@ def test_sqlite_refuses_a_second_process(tiny_model_dir: Path, tmp_path: Path) -
     with ServerProcess(model=str(tiny_model_dir), served_model_name="tiny", database_url=url, data_dir=tmp_path / "a"):
         proc = subprocess.run(
             [sys.executable, "-m", "miserver.cli", "worker", "--database-url", url, "--model", str(tiny_model_dir)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode != 0
     assert "in use by another miserver process" in proc.stderr and "PostgreSQL" in proc.stderr

@@ -92,12 +92,31 @@ def test_schemathesis_finds_no_failure(fuzz_server: ServerProcess, tmp_path: Pat
     document = httpx.get(f"{fuzz_server.base_url}/openapi.json", timeout=30).json()
     excluded = _left_out(document)
     command = [
-        str(Path(sys.executable).parent / "st"), "run", f"{fuzz_server.base_url}/openapi.json",
-        "--checks", CHECKS, "--phases", "coverage,fuzzing", "--mode", "all",
-        "--max-examples", str(MAX_EXAMPLES), "--max-time", str(MAX_SECONDS), "--seed", str(SEED),
-        "--request-timeout", "60", "--workers", "1", "--no-color",
-        "--report", "json", "--report-json-path", str(report),
-    ]  # fmt: skip
+        str(Path(sys.executable).parent / "st"),
+        "run",
+        f"{fuzz_server.base_url}/openapi.json",
+        "--checks",
+        CHECKS,
+        "--phases",
+        "coverage,fuzzing",
+        "--mode",
+        "all",
+        "--max-examples",
+        str(MAX_EXAMPLES),
+        "--max-time",
+        str(MAX_SECONDS),
+        "--seed",
+        str(SEED),
+        "--request-timeout",
+        "60",
+        "--workers",
+        "1",
+        "--no-color",
+        "--report",
+        "json",
+        "--report-json-path",
+        str(report),
+    ]
     for name in excluded:
         command += ["--exclude-name", name]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.support.schema_hooks", "PYTHONPATH": str(ROOT)}
@@ -234,8 +253,10 @@ def test_a_vanishing_temperature_is_greedy(fuzz_server: ServerProcess, path: str
     tiny = http.post(path, json={**body, "temperature": 1e-300})
     greedy = http.post(path, json={**body, "temperature": 0})
     assert tiny.status_code == greedy.status_code == 200, tiny.text
-    text = {"/v1/chat/completions": lambda r: r["choices"][0]["message"]["content"],
-            "/v1/completions": lambda r: r["choices"][0]["text"],
-            "/v1/responses": lambda r: r["output"][0]["content"][0]["text"],
-            "/anthropic/v1/messages": lambda r: r["content"][0]["text"]}[path]  # fmt: skip
+    text = {
+        "/v1/chat/completions": lambda r: r["choices"][0]["message"]["content"],
+        "/v1/completions": lambda r: r["choices"][0]["text"],
+        "/v1/responses": lambda r: r["output"][0]["content"][0]["text"],
+        "/anthropic/v1/messages": lambda r: r["content"][0]["text"],
+    }[path]
     assert text(tiny.json()) == text(greedy.json())

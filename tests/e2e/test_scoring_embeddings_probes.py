@@ -59,8 +59,15 @@ def close(a: Any, b: Any) -> bool:
 
 
 def scoring_body(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1, "logprobs": True,
-            "top_logprobs": 3, "seed": 11, **extra}  # fmt: skip
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "seed": 11,
+        **extra,
+    }
 
 
 def run_batch(client: openai.OpenAI, endpoint: str, bodies: list[dict[str, Any]], pack: bool) -> tuple[dict, dict]:
@@ -88,9 +95,9 @@ def test_embeddings_sync_float_base64_and_errors(server: ServerProcess) -> None:
         assert np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist() == f.embedding
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="test", max_retries=0) as lenient:
         default = lenient.embeddings.create(model="tiny", input=TEXTS)
-    assert [d.embedding for d in default.data] == [
-        d.embedding for d in floats.data
-    ], "the SDK's default (base64) decodes to the float result"
+    assert [d.embedding for d in default.data] == [d.embedding for d in floats.data], (
+        "the SDK's default (base64) decodes to the float result"
+    )
     last = client.embeddings.create(
         model="tiny", input=TEXTS[1], encoding_format="float", extra_body={"pooling": "last"}
     )
@@ -176,8 +183,9 @@ def test_generation_rows_decode_together_under_pack_true(server: ServerProcess) 
         response = out[f"r{i}"]["response"]
         assert response["millm"]["packed"] is True
         assert close(strip_ids(response["body"]), strip_ids(http.post("/v1/chat/completions", json=body).json()))
-    texts = [{"model": "tiny", "prompt": [t, "so " + t], "max_tokens": 4, "temperature": 0, "echo": True}
-             for t in TEXTS[:2]]  # fmt: skip
+    texts = [
+        {"model": "tiny", "prompt": [t, "so " + t], "max_tokens": 4, "temperature": 0, "echo": True} for t in TEXTS[:2]
+    ]
     out, err = run_batch(client, "/v1/completions", texts, pack=True)
     assert not err
     for i, body in enumerate(texts):
@@ -225,9 +233,15 @@ def test_probes_create_score_sync_and_in_a_batch(server: ServerProcess) -> None:
     assert made.json()["model"] == "tiny" and made.json()["weights"] == weights
     again = http.post("/api/probes", json={"name": "alternating", "layer": 1, "weights": weights, "bias": -0.2})
     assert again.status_code == 409 and again.json()["error"]["code"] == "probe_exists"
-    trained = http.post("/api/probes", json={
-        "name": "topic", "layer": -1, "texts": ["goal scored", "match won", "stock fell", "market rose"],
-        "labels": ["sports", "sports", "business", "business"]})  # fmt: skip
+    trained = http.post(
+        "/api/probes",
+        json={
+            "name": "topic",
+            "layer": -1,
+            "texts": ["goal scored", "match won", "stock fell", "market rose"],
+            "labels": ["sports", "sports", "business", "business"],
+        },
+    )
     assert trained.status_code == 200 and trained.json()["classes"] == ["business", "sports"]
     score = http.post("/api/probes/score", json={"probe": "topic", "input": ["goal scored", "stock fell"]})
     assert score.status_code == 200 and score.headers["x-millm-model"] == "tiny"
@@ -235,8 +249,11 @@ def test_probes_create_score_sync_and_in_a_batch(server: ServerProcess) -> None:
     listed = http.get("/api/probes").json()
     assert {p["name"] for p in listed["data"]} >= {"alternating", "topic"}
 
-    bodies: list[dict[str, Any]] = [{"probe": "alternating", "input": TEXTS}, {"probe": "topic", "input": "match won"},
-                                    {"probe": "missing", "input": "x"}]  # fmt: skip
+    bodies: list[dict[str, Any]] = [
+        {"probe": "alternating", "input": TEXTS},
+        {"probe": "topic", "input": "match won"},
+        {"probe": "missing", "input": "x"},
+    ]
     sync = [http.post("/api/probes/score", json=b) for b in bodies]
     named = line("named-model", {"probe": "topic", "input": "x", "model": "tiny"}, url="/api/probes/score")
     data = jsonl([*(line(f"r{i}", b, url="/api/probes/score") for i, b in enumerate(bodies)), named])
@@ -257,8 +274,9 @@ def test_probes_survive_a_restart_and_refuse_another_model(
     tiny_model_dir: Path, database_url: str, tmp_path: Path
 ) -> None:
     with tiny_server_process(tiny_model_dir, tmp_path, database_url=database_url) as first:
-        made = first.http().post("/api/probes", json={"name": "kept", "layer": 0, "pooling": "last",
-                                                      "weights": [0.5] * 64, "bias": 0.0})  # the tiny model is 64 wide
+        made = first.http().post(
+            "/api/probes", json={"name": "kept", "layer": 0, "pooling": "last", "weights": [0.5] * 64, "bias": 0.0}
+        )  # the tiny model is 64 wide
         assert made.status_code == 200, made.text
     with tiny_server_process(tiny_model_dir, tmp_path, database_url=database_url, served_model_name="tiny-b") as second:
         http = second.http()

@@ -30,9 +30,12 @@ async def sdk(
     tiny_model_dir: Path, database_url: str, tmp_path: Path
 ) -> AsyncIterator[tuple[openai.AsyncOpenAI, Clock]]:
     settings = Settings(
-        model=str(tiny_model_dir), served_model_name="tiny", database_url=database_url, data_dir=tmp_path / "var",
+        model=str(tiny_model_dir),
+        served_model_name="tiny",
+        database_url=database_url,
+        data_dir=tmp_path / "var",
         batch_poll_seconds=0.05,
-    )  # fmt: skip
+    )
     app = create_app(settings)
     with installed_clock() as clock:
         async with app.router.lifespan_context(app):
@@ -50,10 +53,14 @@ async def sdk(
 
 def rows(n: int, **body: Any) -> bytes:
     lines = [
-        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2, **body}}
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2, **body},
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
     return "".join(json.dumps(x) + "\n" for x in lines).encode()
 
 
@@ -132,8 +139,15 @@ async def test_every_route_and_every_status_parses_strictly(
     await set_weights_torn(database_url, False)
 
     assert set(seen) == {
-        "validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired"
-    }  # fmt: skip
+        "validating",
+        "in_progress",
+        "finalizing",
+        "completed",
+        "failed",
+        "cancelling",
+        "cancelled",
+        "expired",
+    }
     for status, batch in seen.items():
         assert isinstance(batch, Batch) and batch.status == status
         assert batch.request_counts is not None and batch.usage is not None

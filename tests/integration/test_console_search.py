@@ -17,12 +17,29 @@ from miserver.store import files as sf
 async def _batch(store: Store, description: str | None, *, owner: str | None = None, status: str = "validating") -> str:
     file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
     async with store.tx() as conn:
-        await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
-                             expires_at=None, chunks=[b"{}\n"], owner_key_id=None)  # fmt: skip
-        await sb.insert_batch(conn, batch_id=batch_id, endpoint="/v1/embeddings", input_file_id=file_id,
-                              completion_window="24h", created_at=now(), expires_at=now() + 3600,
-                              metadata={"description": description} if description is not None else None,
-                              pack=False, output_expires_seconds=None, owner_key_id=owner)  # fmt: skip
+        await sf.insert_file(
+            conn,
+            file_id=file_id,
+            purpose="batch",
+            filename="in.jsonl",
+            created_at=now(),
+            expires_at=None,
+            chunks=[b"{}\n"],
+            owner_key_id=None,
+        )
+        await sb.insert_batch(
+            conn,
+            batch_id=batch_id,
+            endpoint="/v1/embeddings",
+            input_file_id=file_id,
+            completion_window="24h",
+            created_at=now(),
+            expires_at=now() + 3600,
+            metadata={"description": description} if description is not None else None,
+            pack=False,
+            output_expires_seconds=None,
+            owner_key_id=owner,
+        )
         if status != "validating":
             await sb.transition(conn, batch_id, ("validating",), status, now())
     return batch_id

@@ -27,8 +27,13 @@ SETTINGS = Settings(batch_generate_slots=3)
 
 
 def body(text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}  # fmt: skip
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
 
 
 BODIES = [
@@ -45,9 +50,19 @@ async def run_window(
     ctx: ServiceContext, store: Store, rows: list[sr.ClaimedRow], plan: Any, order: list[str], **kwargs: Any
 ) -> chunks.ChunkReport:
     options: dict[str, Any] = {"slot": None, "time_limit": 3600, **kwargs}
-    return await chunks.run_chunk(ctx=ctx, store=store, service=SERVICES["/v1/chat/completions"], batch_id="batch_1",
-                                  token="t1", rows=rows, plan=plan, lease=None, stopping=lambda: False,
-                                  on_change=lambda _id: None, **options)  # fmt: skip
+    return await chunks.run_chunk(
+        ctx=ctx,
+        store=store,
+        service=SERVICES["/v1/chat/completions"],
+        batch_id="batch_1",
+        token="t1",
+        rows=rows,
+        plan=plan,
+        lease=None,
+        stopping=lambda: False,
+        on_change=lambda _id: None,
+        **options,
+    )
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ from miserver.store import files as sf
 from miserver.store import models as sm
 from miserver.store.models import CatalogueRecord, CheckpointRecord
 
-CK = CheckpointRecord(model_id="org/ck:1", path="/x", base_model="tiny", weights_revision="sha256:ab", bytes=7,
-                      created_at=5)  # fmt: skip
+CK = CheckpointRecord(
+    model_id="org/ck:1", path="/x", base_model="tiny", weights_revision="sha256:ab", bytes=7, created_at=5
+)
 
 
 async def test_torn_flag_upsert(store: Store) -> None:
@@ -30,11 +31,29 @@ async def test_checkpoint_records_and_the_delete_guard(store: Store) -> None:
         await sm.insert_checkpoint(conn, CK)
         assert await sm.list_checkpoints(conn) == [CK]
         assert await sm.get_checkpoint(conn, CK.model_id) == CK
-        await sf.insert_file(conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1,
-                             expires_at=None, chunks=[b"x"], owner_key_id=None)  # fmt: skip
-        await sb.insert_batch(conn, batch_id="batch_1", endpoint="/v1/completions", input_file_id="file-1",
-                              completion_window="24h", created_at=1, expires_at=86401, metadata=None, pack=False,
-                              output_expires_seconds=None, weights_revision="sha256:ab")  # fmt: skip
+        await sf.insert_file(
+            conn,
+            file_id="file-1",
+            purpose="batch",
+            filename="in.jsonl",
+            created_at=1,
+            expires_at=None,
+            chunks=[b"x"],
+            owner_key_id=None,
+        )
+        await sb.insert_batch(
+            conn,
+            batch_id="batch_1",
+            endpoint="/v1/completions",
+            input_file_id="file-1",
+            completion_window="24h",
+            created_at=1,
+            expires_at=86401,
+            metadata=None,
+            pack=False,
+            output_expires_seconds=None,
+            weights_revision="sha256:ab",
+        )
         await sb.set_fields(conn, "batch_1", ("validating",), model=CK.model_id)
         assert (await sb.get_batch(conn, "batch_1")).weights_revision == "sha256:ab"  # type: ignore[union-attr]
     async with store.tx() as conn:

@@ -97,8 +97,10 @@ async def test_a_batch_that_ended_while_paused_does_not_report_paused(store: Sto
         assert [b["millm"]["paused"] for b in ended.values()] == [False, False, False]
         live = await batches_service.retrieve_batch(store, still.id)
         assert (live["status"], live["millm"]["paused"], live["millm"]["waiting_reason"]) == (
-            "in_progress", True, "paused",
-        )  # fmt: skip
+            "in_progress",
+            True,
+            "paused",
+        )
 
 
 async def _input_file(store: Store, rows: int) -> str:
@@ -108,9 +110,16 @@ async def _input_file(store: Store, rows: int) -> str:
     ]
     file_id = ordered_id("file-")
     async with store.tx() as conn:
-        await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
-                             expires_at=None, chunks=[("\n".join(lines) + "\n").encode()],
-                             owner_key_id=None)  # fmt: skip
+        await sf.insert_file(
+            conn,
+            file_id=file_id,
+            purpose="batch",
+            filename="in.jsonl",
+            created_at=now(),
+            expires_at=None,
+            chunks=[("\n".join(lines) + "\n").encode()],
+            owner_key_id=None,
+        )
     return file_id
 
 
@@ -204,9 +213,13 @@ async def test_progress_events_are_written_at_most_every_interval(store: Store) 
             created_at=0,
         )
         await sob.insert_webhook(
-            conn, url="https://example.com/q", events=["batch.progress"], secret="whsec_y", owner_key_id="key_other",
+            conn,
+            url="https://example.com/q",
+            events=["batch.progress"],
+            secret="whsec_y",
+            owner_key_id="key_other",
             created_at=0,
-        )  # fmt: skip
+        )
         written = [
             await sob.enqueue_progress(conn, batch_id=batch.id, owner_key_id=None, at=at, min_interval=60)
             for at in (1000, 1030, 1060, 1100)

@@ -35,19 +35,44 @@ def body(text: str, **extra: Any) -> dict[str, Any]:
 async def claimed_batch(store: Store, bodies: list[dict[str, Any]], token: str) -> list[sr.ClaimedRow]:
     """A ``pack: true`` chat batch in progress with ``bodies`` as rows, all claimed under ``token``."""
     async with store.tx() as conn:
-        await sf.insert_file(conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1,
-                             expires_at=None, chunks=[b"x"], owner_key_id=None)  # fmt: skip
-        await sb.insert_batch(conn, batch_id="batch_1", endpoint="/v1/chat/completions", input_file_id="file-1",
-                              completion_window="24h", created_at=1, expires_at=86401, metadata=None, pack=True,
-                              output_expires_seconds=None)  # fmt: skip
+        await sf.insert_file(
+            conn,
+            file_id="file-1",
+            purpose="batch",
+            filename="in.jsonl",
+            created_at=1,
+            expires_at=None,
+            chunks=[b"x"],
+            owner_key_id=None,
+        )
+        await sb.insert_batch(
+            conn,
+            batch_id="batch_1",
+            endpoint="/v1/chat/completions",
+            input_file_id="file-1",
+            completion_window="24h",
+            created_at=1,
+            expires_at=86401,
+            metadata=None,
+            pack=True,
+            output_expires_seconds=None,
+        )
         rows = [
             {"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": json.dumps(b)} for i, b in enumerate(bodies)
         ]
         await sr.insert_rows(conn, "batch_1", rows)
         await sb.set_fields(conn, "batch_1", ("validating",), total=len(bodies))
         await sb.transition(conn, "batch_1", ("validating",), "in_progress", 2)
-        claimed = await sr.claim(conn, batch_id="batch_1", limit=100, worker="w", token=token, now_ms=1000,
-                                 ttl_ms=10**9, skip_locked=store.skip_locked)  # fmt: skip
+        claimed = await sr.claim(
+            conn,
+            batch_id="batch_1",
+            limit=100,
+            worker="w",
+            token=token,
+            now_ms=1000,
+            ttl_ms=10**9,
+            skip_locked=store.skip_locked,
+        )
     assert len(claimed) == len(bodies)
     return claimed
 
@@ -55,9 +80,20 @@ async def claimed_batch(store: Store, bodies: list[dict[str, Any]], token: str) 
 async def window(
     ctx: ServiceContext, store: Store, rows: list[sr.ClaimedRow], slot: Slot | None = None, token: str = "t1"
 ) -> chunks.ChunkReport:
-    return await chunks.run_chunk(ctx=ctx, store=store, service=SERVICES["/v1/chat/completions"], batch_id="batch_1",
-                                  token=token, rows=rows, plan=packing.runner_plan(SETTINGS), slot=slot, lease=None,
-                                  time_limit=3600, stopping=lambda: False, on_change=lambda _id: None)  # fmt: skip
+    return await chunks.run_chunk(
+        ctx=ctx,
+        store=store,
+        service=SERVICES["/v1/chat/completions"],
+        batch_id="batch_1",
+        token=token,
+        rows=rows,
+        plan=packing.runner_plan(SETTINGS),
+        slot=slot,
+        lease=None,
+        time_limit=3600,
+        stopping=lambda: False,
+        on_change=lambda _id: None,
+    )
 
 
 async def results(store: Store) -> dict[str, dict[str, Any]]:

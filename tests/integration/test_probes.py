@@ -40,10 +40,20 @@ async def refused(coro: Any) -> APIError:
 
 def record(name: str, **changes: Any) -> ProbeRecord:
     values: dict[str, Any] = dict(
-        id=f"probe_{name}", name=name, model_id="m", weights_revision="sha256:x", layer=1, pooling="mean",
-        hidden_size=2, classes=["no", "yes"], weights=[0.5, -1.25], bias=0.1, training=None, description=None,
+        id=f"probe_{name}",
+        name=name,
+        model_id="m",
+        weights_revision="sha256:x",
+        layer=1,
+        pooling="mean",
+        hidden_size=2,
+        classes=["no", "yes"],
+        weights=[0.5, -1.25],
+        bias=0.1,
+        training=None,
+        description=None,
         created_at=1,
-    )  # fmt: skip
+    )
     return ProbeRecord(**{**values, **changes})
 
 
@@ -127,7 +137,10 @@ async def test_create_and_score_refusals_name_the_field(engine: LocalEngine, sto
     for body, status, param in CREATE_ERRORS:
         exc = await refused(probes.create_probe(ctx, body, call))
         assert (exc.status_code, exc.param) == (status, param), body
-    for body, param in [({"probe": "dup", "input": []}, "input"), ({"probe": "dup", "input": "w " * 600}, "input"),
-                        ({"probe": "dup", "input": "x", "model": "tiny"}, "model")]:  # fmt: skip
+    for body, param in [
+        ({"probe": "dup", "input": []}, "input"),
+        ({"probe": "dup", "input": "w " * 600}, "input"),
+        ({"probe": "dup", "input": "x", "model": "tiny"}, "model"),
+    ]:
         exc = await refused(probes.create(ctx, body, call))
         assert (exc.status_code, exc.param) == (400, param), body

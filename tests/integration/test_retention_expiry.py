@@ -30,9 +30,13 @@ async def api(
     tiny_model_dir: Path, database_url: str, tmp_path: Path, clock: Clock
 ) -> AsyncIterator[httpx.AsyncClient]:
     settings = Settings(
-        model=str(tiny_model_dir), served_model_name="tiny", database_url=database_url, data_dir=tmp_path / "var",
-        batch_poll_seconds=0.05, file_prune_interval_seconds=3600,
-    )  # fmt: skip
+        model=str(tiny_model_dir),
+        served_model_name="tiny",
+        database_url=database_url,
+        data_dir=tmp_path / "var",
+        batch_poll_seconds=0.05,
+        file_prune_interval_seconds=3600,
+    )
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -47,11 +51,17 @@ AN_HOUR = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "360
 
 def batch_file(n: int) -> bytes:
     return "".join(
-        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}],
-                             "max_tokens": 2}}) + "\n"
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2},
+            }
+        )
+        + "\n"
         for i in range(n)
-    ).encode()  # fmt: skip
+    ).encode()
 
 
 async def upload(api: httpx.AsyncClient, data: bytes, **fields: str) -> dict[str, Any]:
@@ -81,8 +91,12 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     # an input file that a waiting batch still needs
     await set_weights_torn(database_url, True)
     needed = await upload(api, batch_file(2), **AN_HOUR)
-    waiting = (await api.post("/v1/batches", json={"input_file_id": needed["id"], "endpoint": "/v1/chat/completions",
-                                                   "completion_window": "168h"})).json()  # fmt: skip
+    waiting = (
+        await api.post(
+            "/v1/batches",
+            json={"input_file_id": needed["id"], "endpoint": "/v1/chat/completions", "completion_window": "168h"},
+        )
+    ).json()
     await poll(api, waiting["id"], lambda b: b["millm"]["waiting_reason"] == "weights_torn")
 
     clock.offset = 3601
@@ -106,8 +120,12 @@ async def test_waiting_batch_expires_with_batch_expired_lines(
 ) -> None:
     await set_weights_torn(database_url, True)
     f = await upload(api, batch_file(3))
-    batch = (await api.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
-                                                 "completion_window": "1h"})).json()  # fmt: skip
+    batch = (
+        await api.post(
+            "/v1/batches",
+            json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "1h"},
+        )
+    ).json()
     assert batch["expires_at"] == batch["created_at"] + 3600
     await poll(api, batch["id"], lambda b: b["millm"]["waiting_reason"] == "weights_torn")
     clock.offset = 3600

@@ -59,11 +59,28 @@ def input_lines(prefix: str, count: int) -> bytes:
 async def create_batch(store: Store, content: bytes, *, window: int = 86400) -> BatchRecord:
     file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
     async with store.tx() as conn:
-        await sf.insert_file(conn, file_id=file_id, purpose="batch", filename="in.jsonl", created_at=now(),
-                             expires_at=None, chunks=[content], owner_key_id=None)  # fmt: skip
-        return await sb.insert_batch(conn, batch_id=batch_id, endpoint=ENDPOINT, input_file_id=file_id,
-                                     completion_window="24h", created_at=now(), expires_at=now() + window,
-                                     metadata=None, pack=False, output_expires_seconds=None)  # fmt: skip
+        await sf.insert_file(
+            conn,
+            file_id=file_id,
+            purpose="batch",
+            filename="in.jsonl",
+            created_at=now(),
+            expires_at=None,
+            chunks=[content],
+            owner_key_id=None,
+        )
+        return await sb.insert_batch(
+            conn,
+            batch_id=batch_id,
+            endpoint=ENDPOINT,
+            input_file_id=file_id,
+            completion_window="24h",
+            created_at=now(),
+            expires_at=now() + window,
+            metadata=None,
+            pack=False,
+            output_expires_seconds=None,
+        )
 
 
 async def get(store: Store, batch_id: str) -> BatchRecord:
@@ -188,15 +205,24 @@ async def test_every_state_change_is_guarded(store: Store) -> None:
 
     # A worker still running a row when the batch is cancelled and finished cannot record it afterwards.
     async with store.tx() as conn:
-        claimed = await sr.claim(conn, batch_id=batch.id, limit=1, worker="w2", token="late", now_ms=0,
-                                 ttl_ms=10**12, skip_locked=store.skip_locked)  # fmt: skip
+        claimed = await sr.claim(
+            conn,
+            batch_id=batch.id,
+            limit=1,
+            worker="w2",
+            token="late",
+            now_ms=0,
+            ttl_ms=10**12,
+            skip_locked=store.skip_locked,
+        )
         await sb.transition(conn, batch.id, ("in_progress",), "cancelling", now())
     await runner.advance(batch.id)
     done = await get(store, batch.id)
     assert (done.status, done.completed, done.failed, done.total) == ("cancelled", 0, 3, 3)
     async with store.tx() as conn:
-        late = await sr.record_many(conn, batch_id=batch.id, token="late",
-                                    results=[sr.RowResult(claimed[0].line, True, "{}", 1, 0)])  # fmt: skip
+        late = await sr.record_many(
+            conn, batch_id=batch.id, token="late", results=[sr.RowResult(claimed[0].line, True, "{}", 1, 0)]
+        )
         assert late == sr.Recorded(frozenset(), "cancelled", False)
     async with store.tx() as conn:
         with pytest.raises(StaleStatus):  # no waiting reason on a finished batch

@@ -20,13 +20,27 @@ async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1", model
     """An ``in_progress`` batch of ``n_rows`` valid rows (line ``i + 1`` naming ``models[i]`` when given)."""
     async with store.tx() as conn:
         await sf.insert_file(
-            conn, file_id="file-1", purpose="batch", filename="in.jsonl", created_at=1, expires_at=None, chunks=[b"x"],
+            conn,
+            file_id="file-1",
+            purpose="batch",
+            filename="in.jsonl",
+            created_at=1,
+            expires_at=None,
+            chunks=[b"x"],
             owner_key_id=None,
         )
         await sb.insert_batch(
-            conn, batch_id=batch_id, endpoint="/v1/completions", input_file_id="file-1", completion_window="24h",
-            created_at=1, expires_at=86401, metadata={"k": "v"}, pack=False, output_expires_seconds=None,
-        )  # fmt: skip
+            conn,
+            batch_id=batch_id,
+            endpoint="/v1/completions",
+            input_file_id="file-1",
+            completion_window="24h",
+            created_at=1,
+            expires_at=86401,
+            metadata={"k": "v"},
+            pack=False,
+            output_expires_seconds=None,
+        )
         named = models or [None] * n_rows
         rows = [
             {"line": i + 1, "custom_id": f"r{i}", "valid": True, "body": "{}", "model": m} for i, m in enumerate(named)
@@ -39,9 +53,15 @@ async def make_batch(store: Store, n_rows: int, batch_id: str = "batch_1", model
 async def claim(store: Store, token: str, limit: int = 3, now_ms: int = 1000, ttl_ms: int = 500) -> list[int]:
     async with store.tx() as conn:
         rows = await sr.claim(
-            conn, batch_id="batch_1", limit=limit, worker="w", token=token, now_ms=now_ms, ttl_ms=ttl_ms,
+            conn,
+            batch_id="batch_1",
+            limit=limit,
+            worker="w",
+            token=token,
+            now_ms=now_ms,
+            ttl_ms=ttl_ms,
             skip_locked=store.skip_locked,
-        )  # fmt: skip
+        )
     return [r.line for r in rows]
 
 
@@ -146,9 +166,16 @@ async def test_a_claim_by_model_takes_the_rows_of_those_models_only(store: Store
     async def by_model(token: str, wanted: list[str], limit: int = 2) -> list[int]:
         async with store.tx() as conn:
             rows = await sr.claim(
-                conn, batch_id="batch_1", limit=limit, worker="w", token=token, now_ms=1000, ttl_ms=500,
-                skip_locked=store.skip_locked, models=wanted,
-            )  # fmt: skip
+                conn,
+                batch_id="batch_1",
+                limit=limit,
+                worker="w",
+                token=token,
+                now_ms=1000,
+                ttl_ms=500,
+                skip_locked=store.skip_locked,
+                models=wanted,
+            )
         return [r.line for r in rows]
 
     assert await by_model("t1", ["live"]) == [3, 5]  # lowest lines of that model first, lines 1-2 left alone
@@ -167,9 +194,16 @@ async def test_concurrent_claims_by_model_never_overlap(store: Store) -> None:
     async def by_model(token: str, model: str) -> list[int]:
         async with store.tx() as conn:
             rows = await sr.claim(
-                conn, batch_id="batch_1", limit=3, worker="w", token=token, now_ms=1000, ttl_ms=500,
-                skip_locked=store.skip_locked, models=[model],
-            )  # fmt: skip
+                conn,
+                batch_id="batch_1",
+                limit=3,
+                worker="w",
+                token=token,
+                now_ms=1000,
+                ttl_ms=500,
+                skip_locked=store.skip_locked,
+                models=[model],
+            )
         assert all(r.line % 2 == (1 if model == "m0" else 0) for r in rows)
         return [r.line for r in rows]
 
@@ -185,8 +219,9 @@ async def test_terminal_status_is_never_overwritten(store: Store) -> None:
         with pytest.raises(StaleStatus):  # a row is still pending: the batch cannot finish
             await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
     async with store.tx() as conn:
-        recorded = await sr.record_many(conn, batch_id="batch_1", token="t1",
-                                        results=[sr.RowResult(line, True, "{}", 1, 1)])  # fmt: skip
+        recorded = await sr.record_many(
+            conn, batch_id="batch_1", token="t1", results=[sr.RowResult(line, True, "{}", 1, 1)]
+        )
         assert recorded == sr.Recorded(frozenset({line}), "in_progress", False)
         await sb.transition(conn, "batch_1", ("in_progress",), "finalizing", 3)
         await sb.transition(conn, "batch_1", ("finalizing",), "completed", 4)
@@ -219,9 +254,15 @@ async def test_file_bytes_round_trip_in_chunks(store: Store) -> None:
     payload = bytes(range(256)) * 9000  # 2.3 MB: three chunks
     async with store.tx() as conn:
         rec = await sf.insert_file(
-            conn, file_id="file-big", purpose="batch", filename="big.jsonl", created_at=1, expires_at=None,
-            chunks=[payload[i : i + 70_000] for i in range(0, len(payload), 70_000)], owner_key_id=None
-        )  # fmt: skip
+            conn,
+            file_id="file-big",
+            purpose="batch",
+            filename="big.jsonl",
+            created_at=1,
+            expires_at=None,
+            chunks=[payload[i : i + 70_000] for i in range(0, len(payload), 70_000)],
+            owner_key_id=None,
+        )
     assert rec.bytes == len(payload)
     got = b"".join([c async for c in store.file_content("file-big")])
     assert got == payload
@@ -235,9 +276,15 @@ async def test_a_download_cut_in_the_middle_of_a_read_leaves_the_connection_good
     pieces = [bytes([i]) * 1000 for i in range(3)]
     async with store.tx() as conn:
         await sf.insert_file(
-            conn, file_id="file-cut", purpose="batch", filename="cut.jsonl", created_at=1, expires_at=None,
-            chunks=pieces, owner_key_id=None,
-        )  # fmt: skip
+            conn,
+            file_id="file-cut",
+            purpose="batch",
+            filename="cut.jsonl",
+            created_at=1,
+            expires_at=None,
+            chunks=pieces,
+            owner_key_id=None,
+        )
     invalidated: list[object] = []
     reads = 0
     reader: asyncio.Task[list[bytes]] | None = None
@@ -274,7 +321,13 @@ async def test_list_files_pages_without_gaps(store: Store) -> None:
     async with store.tx() as conn:
         for i in range(7):
             await sf.insert_file(
-                conn, file_id=f"file-{i:02d}", purpose="batch", filename="f", created_at=i, expires_at=None, chunks=[],
+                conn,
+                file_id=f"file-{i:02d}",
+                purpose="batch",
+                filename="f",
+                created_at=i,
+                expires_at=None,
+                chunks=[],
                 owner_key_id=None,
             )
     seen: list[str] = []

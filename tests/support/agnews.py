@@ -15,10 +15,7 @@ from miserver.settings import EMBEDDED_MODEL_ID
 
 LABELS = ("World", "Sports", "Business", "Sci/Tech")
 #: The zero-shot prompt of :func:`agnews_rows` (the latency and resume benchmarks).
-SYSTEM = (
-    "You label news items by topic. Answer with exactly one of: World, Sports, Business, Sci/Tech. "
-    "No other words."
-)
+SYSTEM = "You label news items by topic. Answer with exactly one of: World, Sports, Business, Sci/Tech. No other words."
 #: The few-shot prompt of ``examples/topics.jsonl``, the real-model test and ``bench/batch_vs_direct.py``: a system
 #: prompt naming the four labels and four short examples as earlier turns (a 135M model follows a demonstrated answer
 #: format far better than an instruction alone).

@@ -38,9 +38,7 @@ def jsonl(lines: Iterable[dict[str, Any] | str]) -> bytes:
     return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
 
 
-def submit(
-    client: openai.OpenAI, data: bytes, *, endpoint: str = "/v1/chat/completions", **create: Any
-) -> Batch:
+def submit(client: openai.OpenAI, data: bytes, *, endpoint: str = "/v1/chat/completions", **create: Any) -> Batch:
     """Upload ``data`` and create a batch over it (``completion_window`` 24h unless given)."""
     uploaded = client.files.create(file=("input.jsonl", data), purpose="batch")
     create.setdefault("completion_window", "24h")

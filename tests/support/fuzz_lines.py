@@ -132,7 +132,7 @@ def mutated(draw: st.DrawFn, base: dict[str, Any]) -> Line:
                 "near_limit",
                 "stream",
             ]
-        )  # fmt: skip
+        )
     )
     obj = _copy(base)
     if kind == "wrong_type":
@@ -194,7 +194,7 @@ def mutated(draw: st.DrawFn, base: dict[str, Any]) -> Line:
                     ("body", []),
                     ("body", "x"),
                 ]
-            )  # fmt: skip
+            )
         )
         obj[field] = value
         return Line(encode(obj), False, f"line_field {field}={value!r}", obj)

@@ -140,8 +140,14 @@ def test_token_estimates() -> None:
     def tokenize(text: str) -> list[int]:
         return list(range(len(text.split())))
 
-    chat = {"messages": [{"role": "user", "content": "one two three"}, {"role": "user", "content": [
-        {"type": "text", "text": "four five"}]}], "max_tokens": 4, "n": 2}  # fmt: skip
+    chat = {
+        "messages": [
+            {"role": "user", "content": "one two three"},
+            {"role": "user", "content": [{"type": "text", "text": "four five"}]},
+        ],
+        "max_tokens": 4,
+        "n": 2,
+    }
     assert billing.estimate_input_tokens(tokenize, chat) == 5
     assert billing.estimate_input_tokens(tokenize, {"prompt": [[1, 2, 3], "a b"]}) == 5
     assert billing.max_output_tokens(chat, -1) == 8
@@ -256,8 +262,15 @@ def test_usage_read_from_stream_events() -> None:
 
 
 def test_upstream_health_hides_urls_and_errors_from_a_non_admin_key() -> None:
-    entry = {"name": "a", "live": False, "models": ["m"], "in_flight": 0, "max_in_flight": 2,
-             "url": "http://10.0.0.5:8000", "last_error": "connect: refused"}  # fmt: skip
+    entry = {
+        "name": "a",
+        "live": False,
+        "models": ["m"],
+        "in_flight": 0,
+        "max_in_flight": 2,
+        "url": "http://10.0.0.5:8000",
+        "last_error": "connect: refused",
+    }
     with accounts.acting_as(accounts.Principal("key_1", "team", admin=False)):
         assert accounts.shown_upstreams([entry]) == [{**entry, "url": None, "last_error": None}]
     with accounts.acting_as(accounts.Principal("key_2", "ops", admin=True)):

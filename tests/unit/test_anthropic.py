@@ -349,9 +349,18 @@ async def test_store_listing_and_delete(store: Store) -> None:
     async with store.tx() as conn:
         for i, batch_id in enumerate(ids):
             endpoint = "/v1/chat/completions" if i == 2 else ENDPOINT
-            await sb.insert_batch(conn, batch_id=batch_id, endpoint=endpoint, input_file_id="file-1",
-                                  completion_window="24h", created_at=1, expires_at=86401, metadata=None, pack=False,
-                                  output_expires_seconds=None)  # fmt: skip
+            await sb.insert_batch(
+                conn,
+                batch_id=batch_id,
+                endpoint=endpoint,
+                input_file_id="file-1",
+                completion_window="24h",
+                created_at=1,
+                expires_at=86401,
+                metadata=None,
+                pack=False,
+                output_expires_seconds=None,
+            )
             await sr.insert_rows(conn, batch_id, [{"line": 1, "custom_id": "a", "valid": True, "body": "{}"}])
         await sb.set_fields(conn, ids[0], ("validating",), total=1)
         await sb.transition(conn, ids[0], ("validating",), "failed", 2)

@@ -202,9 +202,16 @@ def test_expires_after_refused(fields: dict[str, str], param: str, code: str | N
 
 def record(*, expires_at: int | None = 2000, deleted: int | None = None, purpose: str = "batch") -> FileRecord:
     return FileRecord(
-        id="file-1", purpose=purpose, filename="in.jsonl", bytes=3, created_at=1000, expires_at=expires_at,
-        status="processed", status_details=None, content_deleted_at=deleted,
-    )  # fmt: skip
+        id="file-1",
+        purpose=purpose,
+        filename="in.jsonl",
+        bytes=3,
+        created_at=1000,
+        expires_at=expires_at,
+        status="processed",
+        status_details=None,
+        content_deleted_at=deleted,
+    )
 
 
 def test_content_expired() -> None:
@@ -257,9 +264,12 @@ def upload(path: Path | None, key: str | None = None, **fields: str) -> FileUplo
 
     digest = hashlib.sha256(path.read_bytes() if path else b"").hexdigest()
     return FileUpload(
-        fields={"purpose": "batch", **fields}, filename="in.jsonl", path=path, content_sha256=digest,
+        fields={"purpose": "batch", **fields},
+        filename="in.jsonl",
+        path=path,
+        content_sha256=digest,
         idempotency_key=key,
-    )  # fmt: skip
+    )
 
 
 async def count(store: Store, table: str) -> int:

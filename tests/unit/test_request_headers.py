@@ -69,9 +69,19 @@ async def test_a_strict_header_it_does_not_understand_is_400_on_every_route(
 
 @pytest.mark.parametrize(
     ("value", "strict"),
-    [("true", True), ("TRUE", True), ("1", True), ("Yes", True), ("false", False), ("False", False), ("0", False),
-     ("NO", False), ("", False), (None, False)],
-)  # fmt: skip
+    [
+        ("true", True),
+        ("TRUE", True),
+        ("1", True),
+        ("Yes", True),
+        ("false", False),
+        ("False", False),
+        ("0", False),
+        ("NO", False),
+        ("", False),
+        (None, False),
+    ],
+)
 async def test_the_strict_spellings_it_accepts(
     app_client: tuple[Any, httpx.AsyncClient], value: str | None, strict: bool
 ) -> None:

@@ -48,13 +48,20 @@ def test_instructions_first_then_earlier_turns_then_input() -> None:
         instructions="Be brief.",
         input=[
             {"role": "developer", "content": "Rules."},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
-                                                             {"type": "input_text", "text": "b"}]},
-            {"role": "assistant", "content": [{"type": "output_text", "text": "c", "annotations": []}],
-             "id": "msg_1", "status": "completed"},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "c", "annotations": []}],
+                "id": "msg_1",
+                "status": "completed",
+            },
         ],
         stream=True,
-    )  # fmt: skip
+    )
     earlier = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "1"}]
     body = responses._chat_body(req, earlier + responses._input_turns(req))
     assert body["messages"] == [
@@ -89,11 +96,17 @@ def test_instructions_first_then_earlier_turns_then_input() -> None:
         ({"max_output_tokens": 15}, "invalid_value", "max_output_tokens"),
         ({"temperature": 3}, "invalid_value", "temperature"),
         ({"input": []}, "invalid_value", "input"),
-        ({"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "unsupported_value",
-         "input[0].content[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "unsupported_value",
+            "input[0].content[0].type",
+        ),
         ({"input": [{"role": "user", "content": [{"type": "video"}]}]}, "invalid_value", "input[0].content[0].type"),
-        ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]}, "invalid_value",
-         "input[0].content[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+            "invalid_value",
+            "input[0].content[0].type",
+        ),
         ({"input": [{"type": "reasoning", "summary": []}]}, "unsupported_value", "input[0].type"),
         ({"input": [{"type": "telepathy"}]}, "invalid_value", "input[0].type"),
         ({"input": [{"role": "user"}]}, "missing_required_parameter", "input[0].content"),
@@ -101,7 +114,7 @@ def test_instructions_first_then_earlier_turns_then_input() -> None:
         ({"seed": 1}, "unknown_parameter", "seed"),
         ({"input": "\ud800"}, "invalid_value", "input"),
     ],
-)  # fmt: skip
+)
 def test_refusals_name_the_parameter(body: dict[str, Any], code: str, param: str) -> None:
     error = refusal(body)
     assert (error.status_code, error.code, error.param) == (400, code, param), error.message
@@ -109,11 +122,21 @@ def test_refusals_name_the_parameter(body: dict[str, Any], code: str, param: str
 
 def test_neutral_values_pass_and_unknown_fields_pass_when_lenient() -> None:
     neutral = {
-        "tools": [], "tool_choice": "none", "background": False, "include": [], "truncation": "disabled",
-        "service_tier": "default", "reasoning": {"effort": None}, "parallel_tool_calls": False, "store": False,
-        "text": {"format": {"type": "text"}}, "stream": True, "stream_options": {"include_obfuscation": False},
-        "safety_identifier": "s", "prompt_cache_key": "k",
-    }  # fmt: skip
+        "tools": [],
+        "tool_choice": "none",
+        "background": False,
+        "include": [],
+        "truncation": "disabled",
+        "service_tier": "default",
+        "reasoning": {"effort": None},
+        "parallel_tool_calls": False,
+        "store": False,
+        "text": {"format": {"type": "text"}},
+        "stream": True,
+        "stream_options": {"include_obfuscation": False},
+        "safety_identifier": "s",
+        "prompt_cache_key": "k",
+    }
     req, engine = responses.check(ctx(), {"model": MODEL, "input": "Hi", **neutral}, strict=True)
     assert engine.info.model_id == MODEL and req.store is False
     responses.check(ctx(), {"model": MODEL, "input": "Hi", "frobnicate": 1}, strict=False)
@@ -177,10 +200,17 @@ async def _events(finish: str, *, take: int | None = None) -> tuple[list[dict[st
 async def test_the_chat_stream_becomes_responses_events(finish: str, last: str) -> None:
     events, closed = await _events(finish)
     assert [e["type"] for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
-        "response.content_part.done", "response.output_item.done", last,
-    ]  # fmt: skip
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        last,
+    ]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     final = Response.model_validate(events[-1]["response"])
     assert final.output_text == "Hello" and final.usage is not None and final.usage.output_tokens == 16

@@ -187,8 +187,15 @@ def test_planners_partition_and_respect_the_budget() -> None:
 
 
 def chat_body(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1, "logprobs": True,
-            "top_logprobs": 2, "seed": 5, **extra}  # fmt: skip
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "seed": 5,
+        **extra,
+    }
 
 
 async def many(

@@ -192,8 +192,16 @@ async def test_chat_stop_inside_a_token_counts_the_generated_tokens(engine: Loca
     """The issue's example: the model answers "Hello there", ``stop`` "lo th" returns "Hel"."""
     hello, there = ids_of(engine, "Hello there")
     last = engine.tokenize_chat(MESSAGES)[-1]
-    body = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 12, "stop": ["lo th"], "n": 2,
-            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": 12,
+        "stop": ["lo th"],
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     with scripted(engine, {last: hello, hello: there}, int(engine.loaded.tokenizer.eos_token_id), []):
         plain = await run(chat, ctx, {**body, "stop": None})
         result = await run(chat, ctx, body)
@@ -281,8 +289,14 @@ def writes_japanese(engine: LocalEngine) -> Iterator[None]:
 
 
 async def test_chat_logprobs_of_split_characters(ctx: ServiceContext, writes_japanese: None) -> None:
-    body = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 6, "logprobs": True,
-            "top_logprobs": 5}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": 6,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
     result = await run(chat, ctx, body)
     choice = result.body["choices"][0]
     assert choice["message"]["content"] == "あああ"
@@ -360,9 +374,13 @@ async def test_echo_prompt_logprobs_of_split_characters(engine: LocalEngine, ctx
 async def test_usage_carries_openai_details(ctx: ServiceContext) -> None:
     details = {
         "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0,
-                                      "rejected_prediction_tokens": 0},
-    }  # fmt: skip
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "seed": 1}
     answer = (await run(chat, ctx, body)).body
     assert {k: answer["usage"][k] for k in details} == details
@@ -389,8 +407,14 @@ async def test_usage_carries_openai_details(ctx: ServiceContext) -> None:
 async def test_batch_rows_count_tokens_as_the_synchronous_route(engine: LocalEngine, ctx: ServiceContext) -> None:
     hello, there = ids_of(engine, "Hello there")
     last = engine.tokenize_chat(MESSAGES)[-1]
-    generating = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 12, "stop": ["lo th"],
-                  "logprobs": True}  # fmt: skip
+    generating = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": 12,
+        "stop": ["lo th"],
+        "logprobs": True,
+    }
     scoring = {**generating, "max_tokens": 1, "stop": ["lo"]}  # one forward pass: packable
 
     def boost_hello(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -448,8 +472,13 @@ async def test_the_issue_examples_on_the_real_model() -> None:
         assert b"".join(bytes(t["bytes"]) for t in content) == answer["message"]["content"].encode("utf-8")
         assert all("\ufffd" not in t["token"] for t in content)
         assert any(t["token"].startswith("bytes:\\x") for t in content)
-        text_body = {"model": model, "prompt": "English: thank you\nJapanese:", "temperature": 0, "max_tokens": 3,
-                     "logprobs": 5}  # fmt: skip
+        text_body = {
+            "model": model,
+            "prompt": "English: thank you\nJapanese:",
+            "temperature": 0,
+            "max_tokens": 3,
+            "logprobs": 5,
+        }
         choice = (await run(completions, ctx, text_body)).body["choices"][0]
         lp = choice["logprobs"]
         assert "".join(lp["tokens"]) == choice["text"]

@@ -15,10 +15,14 @@ BOUNDARY = "xyzBOUNDARY"
 
 def form(content: bytes, purpose: str = "batch", filename: str = "in.jsonl") -> bytes:
     return (
-        f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n"
-        f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
-        "Content-Type: application/jsonl\r\n\r\n"
-    ).encode() + content + f"\r\n--{BOUNDARY}--\r\n".encode()
+        (
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+            "Content-Type: application/jsonl\r\n\r\n"
+        ).encode()
+        + content
+        + f"\r\n--{BOUNDARY}--\r\n".encode()
+    )
 
 
 async def pieces(data: bytes, size: int = 7) -> AsyncIterator[bytes]:
@@ -43,7 +47,7 @@ def test_line_counter_counts_request_lines_only() -> None:
 
 
 async def test_upload_spools_exact_bytes(tmp_path: Path) -> None:
-    content = "{\"x\": \"h\u00e9llo\"}\n".encode() * 3
+    content = '{"x": "h\u00e9llo"}\n'.encode() * 3
     up = await upload(tmp_path, content)
     assert up.fields == {"purpose": "batch"} and up.filename == "in.jsonl"
     assert up.path is not None and up.path.read_bytes() == content

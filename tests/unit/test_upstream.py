@@ -48,15 +48,30 @@ def test_entries_with_options_and_the_problems_of_bad_ones() -> None:
 
 INVALID = "invalid_request_error"
 DIALECTS = [  # (engine's body, message, type, param, code)
-    ({"error": {"message": "bad", "type": "BadRequestError", "param": "n", "code": 400}},
-     "bad", "BadRequestError", "n", None),
-    ({"object": "error", "message": "too long", "type": "BadRequestError", "param": None, "code": 400},
-     "too long", "BadRequestError", None, None),
-    ({"error": "Input validation error", "error_type": "validation"}, "Input validation error", INVALID, None,
-     "validation"),
+    (
+        {"error": {"message": "bad", "type": "BadRequestError", "param": "n", "code": 400}},
+        "bad",
+        "BadRequestError",
+        "n",
+        None,
+    ),
+    (
+        {"object": "error", "message": "too long", "type": "BadRequestError", "param": None, "code": 400},
+        "too long",
+        "BadRequestError",
+        None,
+        None,
+    ),
+    (
+        {"error": "Input validation error", "error_type": "validation"},
+        "Input validation error",
+        INVALID,
+        None,
+        "validation",
+    ),
     ({"error": "model 'x' not found"}, "model 'x' not found", INVALID, None, None),
     ({"detail": [{"loc": ["body", "n"], "msg": "field required"}]}, "field required", INVALID, None, None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("body, message, kind, param, code", DIALECTS)
@@ -150,21 +165,42 @@ async def test_rows_to_a_killed_member_go_to_the_live_one_and_never_to_a_server_
         pool.join(member.upstream)
     policy, deadline = RetryPolicy(max_attempts=3, base=0.001), time.monotonic() + 60
     a.state = "killed"
-    answer = await send(pool, "/chat/completions", {"model": "m"}, request_id="req_1", policy=policy,
-                        deadline=deadline, defer_at_deadline=False)  # fmt: skip
+    answer = await send(
+        pool,
+        "/chat/completions",
+        {"model": "m"},
+        request_id="req_1",
+        policy=policy,
+        deadline=deadline,
+        defer_at_deadline=False,
+    )
     assert (answer.status, answer.upstream) == (200, b.upstream) and not a.upstream.live
     assert a.posts == [] and b.posts == ["req_1"]
     a.state = "reused"
     assert await a.upstream.probe() and a.upstream.live and pool.live  # it answers, as another server
     for i in range(4):
-        answer = await send(pool, "/chat/completions", {"model": "m"}, request_id=f"req_{i + 2}", policy=policy,
-                            deadline=deadline, defer_at_deadline=False)  # fmt: skip
+        answer = await send(
+            pool,
+            "/chat/completions",
+            {"model": "m"},
+            request_id=f"req_{i + 2}",
+            policy=policy,
+            deadline=deadline,
+            defer_at_deadline=False,
+        )
         assert (answer.status, answer.upstream) == (200, b.upstream)
     assert a.posts == []
     b.state = "killed"  # no member serves the model now: the row waits (503), it is not failed
     with pytest.raises(UpstreamUnavailableError):
-        await send(pool, "/chat/completions", {"model": "m"}, request_id="req_9", policy=policy,
-                   deadline=deadline, defer_at_deadline=False)  # fmt: skip
+        await send(
+            pool,
+            "/chat/completions",
+            {"model": "m"},
+            request_id="req_9",
+            policy=policy,
+            deadline=deadline,
+            defer_at_deadline=False,
+        )
     await asyncio.gather(a.upstream.close(), b.upstream.close())
 
 
@@ -208,8 +244,9 @@ async def test_a_stream_through_the_gateway_is_counted_whether_or_not_the_client
     assert isinstance(result, StreamResult)
     events = [json.loads(e) for e in [e async for e in result.events] if e != "[DONE]"]
     assert streamer.bodies[0]["stream_options"] == {"include_usage": True}  # always asked of the upstream
-    assert [e["usage"] for e in events if "usage" in e] == ([{"prompt_tokens": 7, "completion_tokens": 2,
-                                                              "total_tokens": 9}] if include_usage else [])  # fmt: skip
+    assert [e["usage"] for e in events if "usage" in e] == (
+        [{"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}] if include_usage else []
+    )
     assert (result.usage.known, result.usage.prompt_tokens, result.usage.completion_tokens) == (True, 7, 2)
     await gw.upstreams[0].close()
 
@@ -255,8 +292,15 @@ async def test_a_remembered_list_seeds_only_an_upstream_of_the_same_name_and_url
     assert pool.info.context_length == 4096
     assert gw.pool("n") is None and gw.unknown_upstreams() == ["b"]
     with pytest.raises(UpstreamUnavailableError, match="No upstream serving 'm' is reachable now"):
-        await send(pool, "/chat/completions", {"model": "m"}, request_id="r", policy=gw.policy,
-                   deadline=time.monotonic() + 60, defer_at_deadline=False)  # fmt: skip
+        await send(
+            pool,
+            "/chat/completions",
+            {"model": "m"},
+            request_id="r",
+            policy=gw.policy,
+            deadline=time.monotonic() + 60,
+            defer_at_deadline=False,
+        )
     ctx = ServiceContext(engine=None, gate=AdmissionGate(), gateway=gw)
     with pytest.raises(ModelNotFoundError) as caught:
         ctx.resolve_model("n")
@@ -324,6 +368,13 @@ async def test_a_seeded_model_the_upstream_no_longer_lists_takes_no_row_and_says
     pool = gw.pool("m")
     assert pool is not None and not pool.live and gw.upstreams[0].live
     with pytest.raises(UpstreamUnavailableError, match="a: it no longer lists 'm' in GET /v1/models"):
-        await send(pool, "/chat/completions", {"model": "m"}, request_id="r", policy=gw.policy,
-                   deadline=time.monotonic() + 60, defer_at_deadline=False)  # fmt: skip
+        await send(
+            pool,
+            "/chat/completions",
+            {"model": "m"},
+            request_id="r",
+            policy=gw.policy,
+            deadline=time.monotonic() + 60,
+            defer_at_deadline=False,
+        )
     await gw.close()

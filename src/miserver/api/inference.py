@@ -17,9 +17,12 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 @documented(
-    body=ChatCompletionRequest, ok=ChatCompletion, stream=ChatCompletionChunk, errors=INFERENCE_ERRORS,
+    body=ChatCompletionRequest,
+    ok=ChatCompletion,
+    stream=ChatCompletionChunk,
+    errors=INFERENCE_ERRORS,
     headers=("strict", "lease"),
-)  # fmt: skip
+)
 async def chat_completions(request: Request) -> Response:
     body = await json_body(request)
     call = Call(strict=strict_mode(request), lease=lease_header(request))

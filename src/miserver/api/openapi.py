@@ -262,8 +262,9 @@ def _operation(
     parameters = operation.setdefault("parameters", [])
     for key in doc.headers:
         name, meaning = HEADERS[key]
-        parameters.append({"name": name, "in": "header", "required": False, "description": meaning,
-                           "schema": {"type": "string"}})  # fmt: skip
+        parameters.append(
+            {"name": name, "in": "header", "required": False, "description": meaning, "schema": {"type": "string"}}
+        )
     if not parameters:
         del operation["parameters"]
 

@@ -222,8 +222,17 @@ async def run_chunk(
     groups = grouped(outcomes) if read_ahead else one_by_one(outcomes)
     try:
         async for group in groups:
-            await _record(store, report, group, rows, batch_id=batch_id, token=token, endpoint=endpoint,
-                          owner=owner, prices=prices)  # fmt: skip
+            await _record(
+                store,
+                report,
+                group,
+                rows,
+                batch_id=batch_id,
+                token=token,
+                endpoint=endpoint,
+                owner=owner,
+                prices=prices,
+            )
             if report.claim_lost:
                 break
             on_change(batch_id)

@@ -201,9 +201,7 @@ async def job_list(
 ) -> HTMLResponse:
     """The job list: newest first, searched by description or id, filtered by status (and key, for admins)."""
     store = console_state(request).app_state.store
-    found = await console.search_jobs(
-        store, text=q, status=status or None, key=key or None, page=_int(page, "page", 1)
-    )
+    found = await console.search_jobs(store, text=q, status=status or None, key=key or None, page=_int(page, "page", 1))
     filters = {k: v for k, v in {"q": q or "", "status": status or "", "key": key or ""}.items() if v}
     return _render(
         request,

@@ -14,8 +14,15 @@ BatchStatus = Literal[
 
 #: Every batch status (DESIGN §4), in lifecycle order.
 BATCH_STATUSES: tuple[BatchStatus, ...] = (
-    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
-)  # fmt: skip
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
 #: The statuses a batch never leaves: the one definition the whole code base reads.
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "expired", "cancelled"})
 

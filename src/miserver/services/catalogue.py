@@ -83,7 +83,7 @@ def entries_from_data(data: Any, origin: str = "file") -> list[CatalogueEntry]:
         out.append(
             CatalogueEntry(
                 model_id, source, tuple(_name(a, f"models[{i}].aliases[{j}]") for j, a in enumerate(aliases)), origin
-            )  # fmt: skip
+            )
         )
     return out
 
@@ -225,8 +225,18 @@ class Catalogue:
                 size: int | None = source_bytes(src)
             except (ValueError, OSError):
                 kind, size = None, None
-            out.append({"id": e.id, "object": "model", "source": e.source, "kind": kind, "bytes": size,
-                        "aliases": list(e.aliases), "origin": e.origin, **live(e.id)})  # fmt: skip
+            out.append(
+                {
+                    "id": e.id,
+                    "object": "model",
+                    "source": e.source,
+                    "kind": kind,
+                    "bytes": size,
+                    "aliases": list(e.aliases),
+                    "origin": e.origin,
+                    **live(e.id),
+                }
+            )
         for c in checkpoints:
             row = {"id": c["id"], "object": "model", "source": None, "kind": "checkpoint", "bytes": c["bytes"]}
             out.append({**row, "aliases": [], "origin": "checkpoint", "base_model": c["base_model"], **live(c["id"])})

@@ -78,9 +78,7 @@ def refuse_unsupported(fields: dict[str, Any]) -> None:
             continue
         if name == "modalities" and value == ["text"]:
             continue
-        raise UnsupportedParameterError(
-            f"Unsupported parameter: '{name}' is not supported by this server.", param=name
-        )
+        raise UnsupportedParameterError(f"Unsupported parameter: '{name}' is not supported by this server.", param=name)
 
 
 def refuse_message_names(messages: Sequence[Any]) -> None:

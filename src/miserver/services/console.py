@@ -149,6 +149,7 @@ async def usage_grid(
     if (end - start).days + 1 > MAX_USAGE_DAYS:
         raise InvalidRequestError(f"Invalid 'start': at most {MAX_USAGE_DAYS} days at once.", param="start")
     days = [(start + datetime.timedelta(days=i)).isoformat() for i in range((end - start).days + 1)]
+
     async def rollup(group_by: str, name: str | None) -> list[dict[str, Any]]:
         answer = await billing.usage_rollup(
             store, group_by=group_by, start=days[0], end=days[-1], key=key, model=name, kind=kind, currency=currency

@@ -42,9 +42,13 @@ async def check_on_time(
     for b in active:
         other = rates.get((b.model or "", b.endpoint))
         candidate = scheduling.Candidate(
-            id=b.id, priority=b.priority, created_at=b.created_at, expires_at=b.expires_at, pending=pending[b.id],
+            id=b.id,
+            priority=b.priority,
+            created_at=b.created_at,
+            expires_at=b.expires_at,
+            pending=pending[b.id],
             owner=b.owner_key_id or b.id,
-        )  # fmt: skip
+        )
         others.append((candidate, other.rows_per_second if other is not None else None))
     estimate = scheduling.estimate_new(rows, priority=priority, rate=rate.rows_per_second, others=others)
     if estimate > window_seconds:

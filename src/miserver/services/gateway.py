@@ -367,9 +367,15 @@ async def dispatch(
         outcome: Outcome | None = None
         try:
             answer = await send(
-                pool, path, body, request_id=upstream_request_id(), policy=gateway.policy, deadline=deadline,
-                defer_at_deadline=True, stopped=call.stopped,
-            )  # fmt: skip
+                pool,
+                path,
+                body,
+                request_id=upstream_request_id(),
+                policy=gateway.policy,
+                deadline=deadline,
+                defer_at_deadline=True,
+                stopped=call.stopped,
+            )
             outcome = Outcome(index, _result(answer, body["model"], req), False)
         except UpstreamUnavailableError:
             unavailable.append(pool.model)

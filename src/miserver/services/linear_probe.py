@@ -118,4 +118,3 @@ def check_labels(texts: Sequence[str], labels: Sequence[Any] | None) -> None:
         )
     if len(set(labels)) < 2:
         raise InvalidRequestError("Invalid 'labels': a probe needs at least two distinct labels.", param="labels")
-

@@ -96,9 +96,12 @@ def request_counts(b: BatchRecord, unrun: int) -> MessageBatchRequestCounts:
         expired = unrun if b.status == "expired" else 0
         canceled = unrun if b.status == "cancelled" else 0
         return MessageBatchRequestCounts(
-            processing=0, succeeded=b.completed, errored=b.failed - expired - canceled, canceled=canceled,
+            processing=0,
+            succeeded=b.completed,
+            errored=b.failed - expired - canceled,
+            canceled=canceled,
             expired=expired,
-        )  # fmt: skip
+        )
     total = b.total or int((b.metadata or {}).get(REQUESTS_KEY, "0"))
     return MessageBatchRequestCounts(
         processing=max(total - b.completed - b.failed, 0),

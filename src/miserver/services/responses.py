@@ -188,9 +188,14 @@ def _response(
     output = (
         []
         if text is None
-        else [OutputMessage(id=message_id, status="incomplete" if status == "incomplete" else "completed",
-                            content=[OutputText(text=text)])]
-    )  # fmt: skip
+        else [
+            OutputMessage(
+                id=message_id,
+                status="incomplete" if status == "incomplete" else "completed",
+                content=[OutputText(text=text)],
+            )
+        ]
+    )
     return ResponseObject(
         id=response_id,
         created_at=created,
@@ -259,9 +264,14 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     choice = result.body["choices"][0]
     text = choice["message"]["content"] or ""
     response = _response(
-        req, ids, created, result.body["model"], text=text, finish_reason=choice["finish_reason"],
+        req,
+        ids,
+        created,
+        result.body["model"],
+        text=text,
+        finish_reason=choice["finish_reason"],
         usage=result.body["usage"],
-    )  # fmt: skip
+    )
     if req.store is not False:
         await _save(ctx, response, turns, text)
     return ServiceResult(200, response, result.headers, result.prompt_tokens, result.completion_tokens)

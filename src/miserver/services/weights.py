@@ -161,8 +161,9 @@ class WeightWrites:
                 raise MissingParameterError(f"Missing required parameter: '{name}'.", param=name)
         unknown = [k for k in body if k not in ("tensor", "op", "value", "slice")]
         if unknown:
-            raise InvalidRequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
-                                      code="unknown_parameter")  # fmt: skip
+            raise InvalidRequestError(
+                f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unknown_parameter"
+            )
         session = opened.session
         try:
             info = await engine.call(

@@ -213,9 +213,7 @@ class Recorded:
 
 # Named statements of the record, built once (building a Core statement costs more than running it on SQLite).
 _RECORDING = (
-    select(batches.c.id)
-    .where(batches.c.id == bindparam("b_id"), batches.c.status.in_(RECORDING_STATUSES))
-    .exists()
+    select(batches.c.id).where(batches.c.id == bindparam("b_id"), batches.c.status.in_(RECORDING_STATUSES)).exists()
 )
 #: One row pending -> done, only under the claim's token and while its batch is running.
 _RECORD_ROW = (
@@ -251,9 +249,7 @@ _COUNT_ROWS = (
 _RUN_STATE = select(batches.c.status, batches.c.paused_at).where(batches.c.id == bindparam("b_id"))
 
 
-async def record_many(
-    conn: AsyncConnection, *, batch_id: str, token: str, results: Sequence[RowResult]
-) -> Recorded:
+async def record_many(conn: AsyncConnection, *, batch_id: str, token: str, results: Sequence[RowResult]) -> Recorded:
     """Record each row's result line and bump the batch's counters once for them all, in the caller's transaction
     (one statement per row, then one for the counters that also reads the batch's status and pause).
 
