@@ -7,7 +7,7 @@ for the CPU:
 1. batch: a ``miserver serve`` process on a fresh SQLite database in a temporary directory; upload, create, poll
    every ``--poll-seconds`` (1 s); rows/s from the moment ``batches.create`` returns to the poll that sees
    ``completed`` (``time.monotonic``, client side). The server is stopped before the next phase.
-2. direct: in this process, ``LocalEngine.start(model=...)`` and ``miserver.services.chat.create`` with a
+2. direct: in this process, ``LocalEngine.start(model=...)`` and ``miserver.services.inference.chat.create`` with a
    ``ServiceContext(engine, AdmissionGate(1))``, in a loop over the same bodies.
 
 The phases run in ABBA order over ``--rounds`` rounds (batch, direct, direct, batch for 2), so that a drift of the
@@ -106,9 +106,9 @@ def run_batch(bodies: list[dict[str, Any]], model: str, poll_seconds: float = PO
 async def run_direct(bodies: list[dict[str, Any]], model: str) -> dict[str, Any]:
     """Phase 2: the same service function in a loop, in this process (no server running)."""
     from miserver.engines.local.engine import LocalEngine
-    from miserver.scheduler import AdmissionGate
-    from miserver.services import chat
-    from miserver.services.context import Call, ServiceContext, ServiceResult
+    from miserver.scheduling.admission import AdmissionGate
+    from miserver.services.inference import chat
+    from miserver.services.inference.context import Call, ServiceContext, ServiceResult
     from miserver.settings import Settings
 
     engine = await LocalEngine.start(model=model, cache_dir=Settings().cache_dir)

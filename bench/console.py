@@ -37,7 +37,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from miserver.ids import now, ordered_id  # noqa: E402
+from miserver.clock import now
+from miserver.ids import ordered_id  # noqa: E402
 from miserver.store import Store  # noqa: E402
 from miserver.store import batches as sb  # noqa: E402
 from miserver.store import files as sf  # noqa: E402

@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 
 from miserver.batches.packing import runner_plan  # noqa: E402
 from miserver.engines.local.engine import LocalEngine  # noqa: E402
-from miserver.scheduler import AdmissionGate, Priority  # noqa: E402
-from miserver.services import chat  # noqa: E402
-from miserver.services.context import Call, ServiceContext, ServiceResult  # noqa: E402
+from miserver.scheduling.admission import AdmissionGate, Priority  # noqa: E402
+from miserver.services.inference import chat  # noqa: E402
+from miserver.services.inference.context import Call, ServiceContext, ServiceResult  # noqa: E402
 from miserver.settings import EMBEDDED_MODEL_ID, Settings  # noqa: E402
 from tests.support.agnews import LABELS, balanced_items  # noqa: E402
 

@@ -52,10 +52,10 @@ sys.path.insert(0, str(ROOT / "src"))
 from miserver.batches.packing import budget_packs, fixed_packs, runner_plan, sorted_packs  # noqa: E402
 from miserver.engines.local.engine import LocalEngine  # noqa: E402
 from miserver.engines.local.loader import LoadedModel, load_tokenizer, pick_device, resolve_model_source  # noqa: E402
-from miserver.scheduler import AdmissionGate, Priority  # noqa: E402
-from miserver.services import chat, embeddings  # noqa: E402
-from miserver.services.context import Call, ServiceContext, ServiceResult  # noqa: E402
-from miserver.services.many import Plan  # noqa: E402
+from miserver.scheduling.admission import AdmissionGate, Priority  # noqa: E402
+from miserver.services.inference import chat, embeddings  # noqa: E402
+from miserver.services.inference.context import Call, ServiceContext, ServiceResult  # noqa: E402
+from miserver.services.inference.many import Plan  # noqa: E402
 from miserver.settings import EMBEDDED_MODEL_ID, Settings  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "fine_food_reviews_1k.csv"

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 from miserver.batches.validate import check_line  # noqa: E402
 from miserver.engines.base import EngineInfo  # noqa: E402
 from miserver.process import ServerProcess, wait_for  # noqa: E402
-from miserver.scheduler import AdmissionGate  # noqa: E402
-from miserver.services.context import ServiceContext  # noqa: E402
+from miserver.scheduling.admission import AdmissionGate  # noqa: E402
+from miserver.services.inference.context import ServiceContext  # noqa: E402
 from tests.support.tiny_model import build_tiny_model  # noqa: E402
 
 MODEL = "tiny"

@@ -25,7 +25,7 @@ from .api import embeddings as embeddings_api
 from .api import files as files_api
 from .api import health as health_api
 from .api import inference as inference_api
-from .api import leases as leases_api
+from .api import model_lease as leases_api
 from .api import model_life as model_life_api
 from .api import models as models_api
 from .api import operations as operations_api
@@ -33,14 +33,15 @@ from .api import probes as probes_api
 from .api import responses as responses_api
 from .api.common import AppState
 from .api.openapi import install_openapi
+from .clock import now
 from .console import ConsoleRoot, create_console
 from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
 from .events import ProgressEvents
-from .ids import now, random_id
+from .ids import random_id
 from .metrics import Metrics
 from .protocol.common import param_path
 from .runtime import EngineFactory, start_runtime
-from .services import accounts
+from .services.accounts import keys as accounts
 from .settings import Settings
 
 log = logging.getLogger("miserver")
@@ -184,7 +185,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         docs_url=None,  # the offline /docs of install_openapi replaces FastAPI's CDN page
         redoc_url=None,  # ReDoc loads its script and fonts from a CDN: turned off
     )
-    # every route needs an API key once one exists (services/accounts.py); with none the server stays open
+    # every route needs an API key once one exists (services/accounts/keys.py); with none the server stays open
     app.router.dependencies.append(Depends(accounts.authenticate))
     app.add_middleware(ServerErrors)  # innermost: the 500 still gets x-request-id
     # gzip for clients that ask (Accept-Encoding); Server-Sent Events are never compressed

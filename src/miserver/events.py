@@ -20,14 +20,14 @@ from typing import Any
 import socketio
 
 from .errors import APIError
-from .services import accounts
+from .services.accounts import keys as accounts
 from .store import Store
 from .store import batches as store_batches
 
 log = logging.getLogger("miserver.events")
 
 EVENT = "batch:progress"
-#: The event of a model load's progress (``services/residency.py``).
+#: The event of a model load's progress (``services/model_life/residency.py``).
 MODEL_LOADING = "model:loading"
 
 

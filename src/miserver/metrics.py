@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from .batches import delivery
+from .jobs import webhook_delivery as delivery
 from .protocol.batches import BATCH_STATUSES
-from .scheduler import AdmissionGate, Priority
+from .scheduling.admission import AdmissionGate, Priority
 from .store import Store
 from .store import operations as store_operations
 from .store import outbox as store_outbox

@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from .batches.runner import BatchRunner
+from .clock import now
 from .engines.base import Engine, GenerationRequest, PoolRequest
 from .engines.upstream import Gateway, KnownUpstream, RetryPolicy, ServedModel, Timeouts, start_gateway
-from .ids import now
-from .scheduler import AdmissionGate
-from .services.billing import PriceTable
-from .services.catalogue import Catalogue, CatalogueEntry, read_catalogue_file
-from .services.checkpoints import Checkpoints
-from .services.context import ServiceContext
-from .services.residency import Residency
-from .services.weights import WeightWrites
+from .scheduling.admission import AdmissionGate
+from .services.accounts.billing import PriceTable
+from .services.inference.context import ServiceContext
+from .services.model_life.catalogue import Catalogue, CatalogueEntry, read_catalogue_file
+from .services.model_life.checkpoints import Checkpoints
+from .services.model_life.residency import Residency
+from .services.model_life.weights import WeightWrites
 from .settings import EMBEDDED_MODEL_ID, Settings
 from .store import Store
 from .store import upstreams as store_upstreams

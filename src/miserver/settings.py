@@ -261,7 +261,7 @@ class Settings(BaseSettings):
     @field_validator("batch_hours_timezone")
     @classmethod
     def _known_timezone(cls, value: str) -> str:
-        from .batches.scheduling import BatchHours
+        from .scheduling.policy import BatchHours
 
         BatchHours.parse("00:00-01:00", value)
         return value
@@ -269,7 +269,7 @@ class Settings(BaseSettings):
     @field_validator("batch_hours")
     @classmethod
     def _hours_form(cls, value: str | None) -> str | None:
-        from .batches.scheduling import BatchHours
+        from .scheduling.policy import BatchHours
 
         BatchHours.parse(value)
         return value

@@ -108,7 +108,7 @@ async def test_authentication_asks_the_database_once_per_request(store: Store) -
     from sqlalchemy import event
 
     from miserver.errors import AuthenticationError
-    from miserver.services import accounts
+    from miserver.services.accounts import keys as accounts
 
     statements: list[str] = []
 

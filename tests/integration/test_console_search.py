@@ -1,4 +1,5 @@
-"""The console's job search (``services/console.py`` over ``store/batches.py`` ``search_batches``) on SQLite and
+"""The console's job search (``services/batch_api/job_search.py`` over ``store/batches.py`` ``search_batches``) on
+SQLite and
 PostgreSQL: by description or id, case-insensitive, LIKE wildcards taken literally, status and owner filters,
 pages newest first, and a member never sees another key's jobs."""
 
@@ -6,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from miserver.clock import now
 from miserver.errors import InvalidRequestError
-from miserver.ids import now, ordered_id
-from miserver.services import accounts, console
+from miserver.ids import ordered_id
+from miserver.services.accounts import keys as accounts
+from miserver.services.batch_api import job_search as console
 from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import files as sf

@@ -9,8 +9,8 @@ from sqlalchemy.exc import IntegrityError
 from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import files as sf
-from miserver.store import models as sm
-from miserver.store.models import CatalogueRecord, CheckpointRecord
+from miserver.store import model_life as sm
+from miserver.store.model_life import CatalogueRecord, CheckpointRecord
 
 CK = CheckpointRecord(
     model_id="org/ck:1", path="/x", base_model="tiny", weights_revision="sha256:ab", bytes=7, created_at=5

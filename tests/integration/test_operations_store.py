@@ -10,10 +10,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from miserver.clock import now
 from miserver.errors import InvalidRequestError
-from miserver.ids import now, ordered_id
-from miserver.services import batches as batches_service
-from miserver.services import operations
+from miserver.ids import ordered_id
+from miserver.services.batch_api import batches as batches_service
+from miserver.services.batch_api import operations
 from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import files as sf

@@ -15,9 +15,9 @@ import pytest
 
 from miserver.batches import chunks, packing
 from miserver.engines.local.engine import LocalEngine
-from miserver.scheduler import AdmissionGate, Priority, Slot
-from miserver.services.context import ServiceContext
-from miserver.services.registry import SERVICES
+from miserver.scheduling.admission import AdmissionGate, Priority, Slot
+from miserver.services.inference.context import ServiceContext
+from miserver.services.inference.registry import SERVICES
 from miserver.settings import Settings
 from miserver.store import Store
 from miserver.store import batches as sb

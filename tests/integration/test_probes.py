@@ -15,9 +15,9 @@ import pytest
 from miserver.engines.base import PoolRequest
 from miserver.engines.local.engine import LocalEngine
 from miserver.errors import APIError
-from miserver.scheduler import AdmissionGate
-from miserver.services import probes
-from miserver.services.context import Call, ServiceContext, ServiceResult
+from miserver.scheduling.admission import AdmissionGate
+from miserver.services.inference import probes
+from miserver.services.inference.context import Call, ServiceContext, ServiceResult
 from miserver.store import Store
 from miserver.store import probes as store_probes
 from miserver.store.probes import ProbeRecord

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from miserver.batches.runner import BatchRunner
-from miserver.ids import now, ordered_id
-from miserver.leases import LeaseManager
-from miserver.scheduler import AdmissionGate, Priority
-from miserver.services.context import ServiceContext
+from miserver.clock import now
+from miserver.ids import ordered_id
+from miserver.model_lease import LeaseManager
+from miserver.scheduling.admission import AdmissionGate, Priority
+from miserver.services.inference.context import ServiceContext
 from miserver.settings import Settings
 from miserver.store import Store
 from miserver.store import batches as sb

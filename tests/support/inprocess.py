@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from miserver import ids
+from miserver import clock as server_clock
 from miserver.batches import runner as runner_module
 
 
@@ -28,11 +28,11 @@ class Clock:
 @contextmanager
 def installed_clock() -> Iterator[Clock]:
     clock = Clock()
-    ids.set_clock(clock)
+    server_clock.set_clock(clock)
     try:
         yield clock
     finally:
-        ids.set_clock(None)
+        server_clock.set_clock(None)
 
 
 async def set_weights_torn(database_url: str, torn: bool, model_id: str = "tiny") -> None:

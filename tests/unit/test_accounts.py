@@ -23,8 +23,9 @@ from miserver.cli import main
 from miserver.errors import InvalidRequestError
 from miserver.protocol.accounts import TopUpRequest
 from miserver.protocol.common import parse_request
-from miserver.services import accounts, billing
-from miserver.services.billing import PriceFileError, PriceTable
+from miserver.services.accounts import billing
+from miserver.services.accounts import keys as accounts
+from miserver.services.accounts.billing import PriceFileError, PriceTable
 from miserver.settings import Settings
 from miserver.store import Store
 from miserver.store.keys import KeyRecord

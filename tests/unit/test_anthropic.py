@@ -18,9 +18,10 @@ from miserver.engines.base import EngineInfo, SamplingParams
 from miserver.engines.local.generate import sample
 from miserver.errors import APIError, ConflictError, EngineUnavailableError, NotFoundError, ServerError
 from miserver.protocol.anthropic import MessageBatch
-from miserver.scheduler import AdmissionGate
-from miserver.services import message_batches, messages
-from miserver.services.context import ServiceContext
+from miserver.scheduling.admission import AdmissionGate
+from miserver.services.batch_api import message_batches
+from miserver.services.inference import messages
+from miserver.services.inference.context import ServiceContext
 from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import message_batches as smb

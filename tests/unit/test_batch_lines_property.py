@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from miserver.batches.validate import check_line
 from miserver.engines.base import EngineInfo
 from miserver.errors import APIError
-from miserver.scheduler import AdmissionGate
-from miserver.services.context import ServiceContext
-from miserver.services.registry import SERVICES
+from miserver.scheduling.admission import AdmissionGate
+from miserver.services.inference.context import ServiceContext
+from miserver.services.inference.registry import SERVICES
 from tests.support.fuzz_lines import ENDPOINT, MODEL, Line, batch_file, param_problem
 
 

@@ -1,5 +1,6 @@
-"""The rules of the Files and Batches APIs (``services/files.py``, ``services/batches.py``,
-``services/idempotency.py``), in-process: the pure checks without any I/O, the idempotent creates, cancel and paging
+"""The rules of the Files and Batches APIs (``services/batch_api/files.py``, ``services/batch_api/batches.py``,
+``services/batch_api/idempotency.py``), in-process: the pure checks without any I/O, the idempotent creates, cancel
+and paging
 on a throwaway SQLite store. No server is spawned."""
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from miserver.errors import (
     NotFoundError,
     UnknownParameterError,
 )
-from miserver.services import batches as batches_service
-from miserver.services import files as files_service
-from miserver.services.batches import BatchCreate, check, check_input_file, check_metadata, window_hours
-from miserver.services.files import FileUpload, check_purpose, content_expired, expires_at
+from miserver.services.batch_api import batches as batches_service
+from miserver.services.batch_api import files as files_service
+from miserver.services.batch_api.batches import BatchCreate, check, check_input_file, check_metadata, window_hours
+from miserver.services.batch_api.files import FileUpload, check_purpose, content_expired, expires_at
 from miserver.store import Store
 from miserver.store import batches as store_batches
 from miserver.store.files import FileRecord

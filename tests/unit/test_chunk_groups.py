@@ -10,7 +10,7 @@ import pytest
 
 from miserver.batches.chunks import grouped, one_by_one
 from miserver.errors import EngineUnavailableError, InvalidRequestError
-from miserver.services.many import Outcome
+from miserver.services.inference.many import Outcome
 
 
 def outcome(i: int) -> Outcome:

@@ -9,7 +9,7 @@ from importlib import resources
 from miserver.console.app import CSP, safe_next
 from miserver.console.pages import chart, money, window_choices, window_label
 from miserver.console.sessions import FailureLimit, Sessions
-from miserver.services.console import UsageGrid, realtime_equivalent
+from miserver.services.batch_api.job_search import UsageGrid, realtime_equivalent
 
 
 class Clock:

@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from pydantic import AliasChoices
 
 from miserver.cli import main
-from miserver.services import accounts, billing
+from miserver.services.accounts import billing
+from miserver.services.accounts import keys as accounts
 from miserver.settings import Settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"

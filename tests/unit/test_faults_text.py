@@ -28,10 +28,10 @@ from miserver.protocol.common import RequestModel, describe, parse_request
 from miserver.protocol.completions import CompletionRequest
 from miserver.protocol.embeddings import EmbeddingRequest
 from miserver.protocol.probes import ProbeCreateRequest, ProbeScoreRequest
-from miserver.scheduler import AdmissionGate
-from miserver.services.common import decode_json
-from miserver.services.context import ServiceContext
-from miserver.services.registry import SERVICES
+from miserver.scheduling.admission import AdmissionGate
+from miserver.services.inference.checks import decode_json
+from miserver.services.inference.context import ServiceContext
+from miserver.services.inference.registry import SERVICES
 
 MODEL = "tiny"
 CHAT, TEXT, EMB, PROBE = "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/probes/score"

@@ -9,7 +9,7 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 
 from miserver.errors import APIError
-from miserver.services.linear_probe import LinearProbe, check_labels
+from miserver.services.inference.linear_probe import LinearProbe, check_labels
 
 H = 6
 

@@ -12,9 +12,9 @@ from openai.types.responses import Response
 from miserver.errors import APIError, ContextLengthError, ModelNotFoundError
 from miserver.protocol.common import parse_request
 from miserver.protocol.responses import ResponseCreateRequest
-from miserver.scheduler import AdmissionGate
-from miserver.services import responses
-from miserver.services.context import ServiceContext, StreamResult
+from miserver.scheduling.admission import AdmissionGate
+from miserver.services.inference import responses
+from miserver.services.inference.context import ServiceContext, StreamResult
 from tests.support.fake_engine import MODEL, FakeEngine
 
 

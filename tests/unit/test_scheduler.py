@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from miserver.scheduler import AdmissionGate, Priority
+from miserver.scheduling.admission import AdmissionGate, Priority
 
 
 async def test_interactive_goes_before_waiting_batch() -> None:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from miserver.batches.scheduling import (
+from miserver.scheduling.policy import (
     BatchHours,
     Candidate,
     FairShare,

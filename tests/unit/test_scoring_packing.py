@@ -22,10 +22,10 @@ from miserver.engines.base import PoolRequest, ScoreRequest
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.score import MIN_SHARED_PREFIX, shared_prefix
 from miserver.errors import APIError
-from miserver.scheduler import AdmissionGate, Priority
-from miserver.services import chat, completions, embeddings
-from miserver.services.context import Call, ServiceContext, ServiceResult
-from miserver.services.many import Outcome, check_partition
+from miserver.scheduling.admission import AdmissionGate, Priority
+from miserver.services.inference import chat, completions, embeddings
+from miserver.services.inference.context import Call, ServiceContext, ServiceResult
+from miserver.services.inference.many import Outcome, check_partition
 
 TEXTS = [
     "hello world",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miserver.batches import states
+from miserver.store import batch_states as states
 
 
 def test_terminal_statuses_go_nowhere() -> None:

@@ -25,9 +25,9 @@ from miserver.batches.packing import budget_packs
 from miserver.engines.base import GenerationRequest, SamplingParams, TokenLogprob
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.generate import TextStream, _Output, logprobs_of, text_pieces, token_texts
-from miserver.scheduler import AdmissionGate, Priority
-from miserver.services import chat, completions
-from miserver.services.context import Call, ServiceContext, ServiceResult, StreamResult
+from miserver.scheduling.admission import AdmissionGate, Priority
+from miserver.services.inference import chat, completions
+from miserver.services.inference.context import Call, ServiceContext, ServiceResult, StreamResult
 from miserver.settings import EMBEDDED_MODEL_ID
 from tests.support.tiny_model import default_cache_dir
 

@@ -25,10 +25,10 @@ from miserver.engines.upstream.pool import (
     send,
 )
 from miserver.errors import ModelNotFoundError, UpstreamUnavailableError
-from miserver.scheduler import AdmissionGate
-from miserver.services import gateway as service
-from miserver.services.chat import parse
-from miserver.services.context import Call, ServiceContext, StreamResult
+from miserver.scheduling.admission import AdmissionGate
+from miserver.services.inference import routing as service
+from miserver.services.inference.chat import parse
+from miserver.services.inference.context import Call, ServiceContext, StreamResult
 
 
 def test_entries_with_options_and_the_problems_of_bad_ones() -> None:

@@ -12,8 +12,8 @@ import pytest
 from miserver.batches.output import failure_line, invalid_line, unrun_line
 from miserver.batches.validate import check_line, physical_lines
 from miserver.engines.base import EngineInfo
-from miserver.scheduler import AdmissionGate
-from miserver.services.context import ServiceContext
+from miserver.scheduling.admission import AdmissionGate
+from miserver.services.inference.context import ServiceContext
 
 MODEL = "org/Model-GGUF:Q4_1"
 ENDPOINT = "/v1/chat/completions"

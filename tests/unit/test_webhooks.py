@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from miserver.batches.delivery import MAX_ATTEMPTS, retry_delay, signed_headers
 from miserver.errors import InvalidRequestError
-from miserver.services import webhooks
+from miserver.jobs.webhook_delivery import MAX_ATTEMPTS, retry_delay, signed_headers
+from miserver.services.batch_api import webhooks
 from miserver.store.outbox import Delivery, event_payload
 
 

@@ -1,5 +1,5 @@
 """Accounts routes (issue 13): API keys (admin only), usage rollups, the caller's own key, and a batch input file's
-cost estimate. Thin wrappers over ``services/accounts.py`` and ``services/billing.py``."""
+cost estimate. Thin wrappers over ``services/accounts/keys.py`` and ``services/accounts/billing.py``."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from ..protocol.accounts import (
     TopUpRequest,
     UsageRollup,
 )
-from ..services import accounts, billing
-from ..services.accounts import KeySpec, key_object, require_admin
+from ..services.accounts import billing
+from ..services.accounts import keys as accounts
+from ..services.accounts.keys import KeySpec, key_object, require_admin
 from .common import json_body, state
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 

@@ -3,7 +3,7 @@
 Errors here answer in Anthropic's envelope (the application's exception handlers pick it by path, see
 :meth:`~miserver.errors.APIError.answer_for`). The ``x-api-key`` and ``anthropic-version`` headers that Anthropic's
 clients send are accepted: ``x-api-key`` is an API key here, as ``Authorization: Bearer`` is elsewhere (see
-``services/accounts.py``); any version is answered in the one format it speaks.
+``services/accounts/keys.py``); any version is answered in the one format it speaks.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from ..protocol.anthropic import (
     MessageBatchList,
     MessagesRequest,
 )
-from ..services import message_batches
-from ..services.context import Call, StreamResult
-from ..services.registry import SERVICES
+from ..services.batch_api import message_batches
+from ..services.inference.context import Call, StreamResult
+from ..services.inference.registry import SERVICES
 from .common import json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
@@ -55,7 +55,7 @@ async def create_message(request: Request) -> Response:
     return JSONResponse(result.body, status_code=result.status_code, headers=result.headers)
 
 
-# -- Message Batches: the same durable batches as /v1/batches (services/message_batches.py) -------------------------
+# -- Message Batches: the same durable batches as /v1/batches (services/batch_api/message_batches.py) ------------------
 
 
 @router.post(BATCHES)

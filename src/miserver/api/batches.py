@@ -1,4 +1,5 @@
-"""Batches API routes (DESIGN §3.2): create, list, retrieve, cancel. The rules are in ``services/batches.py``."""
+"""Batches API routes (DESIGN §3.2): create, list, retrieve, cancel. The rules are in
+``services/batch_api/batches.py``."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..protocol.batches import Batch, BatchCreateRequest, BatchList
-from ..services import batches as service
-from ..services.batches import batch_object
+from ..services.batch_api import batches as service
+from ..services.batch_api.batches import batch_object
 from .common import lease_header, list_object, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 

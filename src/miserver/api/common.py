@@ -10,10 +10,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import InvalidRequestError
-from ..leases import is_token
-from ..services.common import decode_json
-from ..services.context import ServiceContext, ServiceResult, StreamResult
-from ..services.residency import Residency
+from ..model_lease import is_token
+from ..services.inference.checks import decode_json
+from ..services.inference.context import ServiceContext, ServiceResult, StreamResult
+from ..services.model_life.residency import Residency
 from ..settings import Settings
 from ..store import Store
 

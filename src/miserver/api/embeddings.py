@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..protocol.embeddings import CreateEmbeddingResponse, EmbeddingRequest
-from ..services.context import Call
-from ..services.registry import SERVICES
+from ..services.inference.context import Call
+from ..services.inference.registry import SERVICES
 from .common import json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, documented
 

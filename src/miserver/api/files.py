@@ -1,4 +1,5 @@
-"""Files API routes (DESIGN §3.1): upload, list, retrieve, content, delete. The rules are in ``services/files.py``."""
+"""Files API routes (DESIGN §3.1): upload, list, retrieve, content, delete. The rules are in
+``services/batch_api/files.py``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..protocol.batches import BatchInputLine, BatchOutputLine
 from ..protocol.files import FileDeleted, FileList, FileObject, FileUploadForm
-from ..services import files as service
+from ..services.batch_api import files as service
 from .common import list_object, state
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 from .upload import receive_batch_upload

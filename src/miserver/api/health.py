@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..protocol.server import Health, HealthDetailed
-from ..scheduler import Priority
-from ..services import accounts
+from ..scheduling.admission import Priority
+from ..services.accounts import keys as accounts
 from ..store import rows as store_rows
 from .common import state
 from .openapi import documented

@@ -7,8 +7,8 @@ from fastapi.responses import Response
 
 from ..protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from ..protocol.completions import Completion, CompletionRequest
-from ..services.context import Call
-from ..services.registry import SERVICES
+from ..services.inference.context import Call
+from ..services.inference.registry import SERVICES
 from .common import json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, documented
 

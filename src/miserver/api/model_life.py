@@ -1,6 +1,8 @@
 """Routes of the resident model's life (DESIGN §3.5, §10): weight writes (``/api/weights``), checkpoints
-(``/api/checkpoints``) and catalogue additions (``POST /api/models``). Thin: the rules are in ``services/weights.py``,
-``services/checkpoints.py`` and ``services/catalogue.py``. Every change needs the model lease when one is held
+(``/api/checkpoints``) and catalogue additions (``POST /api/models``). Thin: the rules are in
+``services/model_life/weights.py``,
+``services/model_life/checkpoints.py`` and ``services/model_life/catalogue.py``. Every change needs the model lease
+when one is held
 (``X-miLLM-Lease``); answers about the resident weights carry ``X-miLLM-Weights``."""
 
 from __future__ import annotations

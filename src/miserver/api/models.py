@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends, Request
 
 from ..protocol.common import parse_request
 from ..protocol.server import Catalogue, ModelList, ModelLoaded, ModelLoadRequest, ModelObject, ModelUnloaded
-from ..services import gateway
-from ..services.accounts import require_admin
+from ..services.accounts.keys import require_admin
+from ..services.inference import routing as gateway
 from .common import json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 

@@ -36,7 +36,7 @@ from pydantic.json_schema import models_json_schema
 
 from ..errors import ANTHROPIC_PREFIX
 from ..protocol.errors import AnthropicErrorResponse, ErrorResponse
-from ..services.accounts import BILLED_ROUTES, is_open, require_admin
+from ..services.accounts.keys import BILLED_ROUTES, is_open, require_admin
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,6 +1,7 @@
 """Routes of batch operations (issue 14): pause, resume, retry, delete and results of a batch (extensions of
-``/v1/batches``), webhook endpoints (``/api/webhooks``) and ``/metrics``. The rules are in ``services/operations.py``,
-``services/webhooks.py`` and ``metrics.py``."""
+``/v1/batches``), webhook endpoints (``/api/webhooks``) and ``/metrics``. The rules are in
+``services/batch_api/operations.py``,
+``services/batch_api/webhooks.py`` and ``metrics.py``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from ..metrics import Metrics
 from ..protocol.batches import Batch
 from ..protocol.operations import DeletedBatch, DeletedWebhook, WebhookList
 from ..protocol.webhooks import WebhookCreateRequest, WebhookObject
-from ..services import operations as service
-from ..services import webhooks as webhooks_service
+from ..services.batch_api import operations as service
+from ..services.batch_api import webhooks as webhooks_service
 from .common import list_object, state
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..protocol.probes import Probe, ProbeCreateRequest, ProbeDeleted, ProbeList, ProbeScoreRequest, ProbeScoreResponse
-from ..services import probes
-from ..services.context import Call
-from ..services.registry import SERVICES
+from ..services.inference import probes
+from ..services.inference.context import Call
+from ..services.inference.registry import SERVICES
 from .common import json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, LOOKUP_ERRORS, documented
 

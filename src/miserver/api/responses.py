@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import UnsupportedParameterError
 from ..protocol.responses import ResponseCreateRequest, ResponseDeleted, ResponseObject
-from ..services import responses as service
-from ..services.context import Call, StreamResult
-from ..services.registry import SERVICES
+from ..services.inference import responses as service
+from ..services.inference.context import Call, StreamResult
+from ..services.inference.registry import SERVICES
 from .common import json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, LOOKUP_ERRORS, documented
 

@@ -4,7 +4,8 @@ Every batch row, packed or not, whatever the endpoint, passes through :func:`run
 
 1. the chunk's rows go to the endpoint service's one many-rows call (``EndpointService.create_many``) with the
    batch's plan (``None``: each row alone, exactly the synchronous computation; a planner: length-aware packs);
-2. each :class:`~miserver.services.many.Outcome` becomes an output or error line (:mod:`miserver.batches.output`)
+2. each :class:`~miserver.services.inference.many.Outcome` becomes an output or error line
+(:mod:`miserver.batches.output`)
    and is recorded fenced by the claim token (a taken-over claim cannot record), with its usage, in one
    transaction. A chunk whose rows run concurrently (``read_ahead``: upstream pools) records together the outcomes
    that finish within a short window of each other (group commit, :func:`grouped`); otherwise each outcome is
@@ -33,11 +34,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import APIError, EngineUnavailableError
-from ..scheduler import Priority, Slot
-from ..services import billing
-from ..services.context import Call, ServiceContext, ServiceResult
-from ..services.many import Outcome, Plan
-from ..services.registry import EndpointService
+from ..scheduling.admission import Priority, Slot
+from ..services.accounts import billing
+from ..services.inference.context import Call, ServiceContext, ServiceResult
+from ..services.inference.many import Outcome, Plan
+from ..services.inference.registry import EndpointService
 from ..store import Store
 from ..store import rows as store_rows
 from ..store import usage as store_usage
@@ -192,7 +193,8 @@ async def run_chunk(
     (the rows then stay pending under the claim, which the caller releases).
 
     ``owner`` (the batch's key) pays for each successful row at ``prices`` (the batch's, fixed at its creation): the
-    usage record is written in the transaction that records the row (:func:`~miserver.services.billing.row_usage`),
+    usage record is written in the transaction that records the row
+    (:func:`~miserver.services.accounts.billing.row_usage`),
     and once a charge leaves the owner's balance at zero or below no further row or pack starts.
     """
     report = ChunkReport()

@@ -10,8 +10,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from ..clock import now
 from ..errors import APIError
-from ..ids import now, ordered_id, random_id
+from ..ids import ordered_id, random_id
 from ..protocol.batches import (
     BatchLineError,
     BatchLineExtension,
@@ -19,7 +20,7 @@ from ..protocol.batches import (
     BatchLineResponseExtension,
     BatchOutputLine,
 )
-from ..services.context import ServiceResult
+from ..services.inference.context import ServiceResult
 from ..store import batches as store_batches
 from ..store import files as store_files
 from ..store import rows as store_rows

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
-from ..services.many import PackPlan, Plan
-from ..services.registry import SERVICES
+from ..services.inference.many import PackPlan, Plan
+from ..services.inference.registry import SERVICES
 from ..settings import Settings
 from ..store.batches import BatchRecord
 

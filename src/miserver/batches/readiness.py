@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..leases import BATCH_HOLDER_PREFIX, LeaseManager
-from ..services.context import ServiceContext
+from ..model_lease import BATCH_HOLDER_PREFIX, LeaseManager
+from ..services.inference.context import ServiceContext
 from ..store.batches import BatchRecord
 
 

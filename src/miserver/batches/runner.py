@@ -7,7 +7,7 @@ admission slot at batch priority and run the chunk through the one row loop, :fu
 run_chunk`), a ``finalizing``, ``cancelling`` or expired batch its files (:func:`~miserver.batches.output.finish`).
 Between chunks it sees cancels, expiry and new batches. Every write is a guarded statement of ``store/`` that raises
 when the batch moved on, so nothing a pass does can rest on a stale read. File pruning runs as its own task
-(:mod:`miserver.batches.pruning`).
+(:mod:`miserver.jobs.pruning`).
 """
 
 from __future__ import annotations
@@ -19,21 +19,26 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
+from ..clock import now, now_ms
 from ..errors import APIError
-from ..ids import now, now_ms
-from ..scheduler import Priority, Slot
-from ..services import accounts, billing
-from ..services.context import ServiceContext
-from ..services.registry import SERVICES
+from ..jobs import pruning
+from ..jobs import webhook_delivery as delivery
+from ..scheduling import policy as scheduling
+from ..scheduling.admission import Priority, Slot
+from ..services.accounts import billing
+from ..services.accounts import keys as accounts
+from ..services.inference.context import ServiceContext
+from ..services.inference.registry import SERVICES
 from ..settings import Settings
 from ..store import Store, outbox
+from ..store import batch_states as states
 from ..store import batches as store_batches
 from ..store import keys as store_keys
-from ..store import models as store_models
+from ..store import model_life as store_models
 from ..store import operations as store_operations
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord, StaleStatus
-from . import chunks, delivery, output, packing, pruning, scheduling, states
+from . import chunks, output, packing
 from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease, weights_block
 from .upstream_runs import UpstreamRuns
 from .validate import BatchFailure, Validator
@@ -136,14 +141,14 @@ class BatchRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def prune(self) -> list[str]:
-        """Prune expired files now (DESIGN §6); returns the file ids (:func:`~miserver.batches.pruning.prune_once`)."""
+        """Prune expired files now (DESIGN §6); returns the file ids (:func:`~miserver.jobs.pruning.prune_once`)."""
         return await pruning.prune_once(self.store)
 
     async def step(self) -> bool:
         """One pass over the active batches; True when it ran or finished something.
 
         Every batch but the running ones takes its own step (validation, finish, expiry); then the scheduling policy
-        (:mod:`~miserver.batches.scheduling`) picks which running batch gets the next chunk."""
+        (:mod:`~miserver.scheduling.policy`) picks which running batch gets the next chunk."""
         async with self.store.tx() as conn:
             snapshot = await store_batches.active_batches(conn)
         release_lease_of_finished(self.ctx, {b.id for b in snapshot})
@@ -173,7 +178,7 @@ class BatchRunner:
     # -- scheduling (issue 14) --------------------------------------------------------------------------------
 
     async def _run_next(self, running: list[BatchRecord]) -> bool:
-        """Plan the running batches (:func:`~miserver.batches.scheduling.plan`), store their ETAs and waiting
+        """Plan the running batches (:func:`~miserver.scheduling.policy.plan`), store their ETAs and waiting
         reasons, let each runnable batch of an upstream pool take its step, and run one chunk on the resident engine
         for the first resident batch in the plan's order that is ready."""
         async with self.store.tx() as conn:

@@ -23,8 +23,8 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-from ..ids import now, now_ms
-from ..services.registry import SERVICES
+from ..clock import now, now_ms
+from ..services.inference.registry import SERVICES
 from ..store import batches as store_batches
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord

@@ -15,19 +15,19 @@ from typing import Any, NamedTuple
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from ..clock import now, now_ms
 from ..errors import (
     APIError,
     InvalidRequestError,
     MissingParameterError,
     UnknownParameterError,
 )
-from ..ids import now, now_ms
 from ..protocol.batches import BatchInputLine
 from ..protocol.common import check_text, find_unpaired_surrogate
-from ..services import billing
-from ..services.context import ServiceContext
-from ..services.files import content_expired
-from ..services.registry import SERVICES
+from ..services.accounts import billing
+from ..services.batch_api.files import content_expired
+from ..services.inference.context import ServiceContext
+from ..services.inference.registry import SERVICES
 from ..settings import Settings
 from ..store import Store
 from ..store import batches as store_batches

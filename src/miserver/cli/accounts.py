@@ -54,7 +54,7 @@ def keys_create(
       miserver keys create --name admin --admin
       miserver keys create --name team-a --balance 5000000 --max-pending-batches 3
     """
-    from ..services import accounts
+    from ..services.accounts import keys as accounts
 
     body: dict[str, Any] = {"name": name, "admin": admin, "balance": balance}
     body.update(max_pending_batches=max_pending_batches, max_enqueued_tokens=max_enqueued_tokens)
@@ -80,7 +80,7 @@ def keys_list(database_url: str | None, data_dir: str) -> None:
     Example:
       miserver keys list
     """
-    from ..services import accounts
+    from ..services.accounts import keys as accounts
 
     records = _on_store(database_url, data_dir, accounts.list_keys)
     rows = [
@@ -111,7 +111,7 @@ def keys_revoke(key_id: str, database_url: str | None, data_dir: str) -> None:
     Example:
       miserver keys revoke key_0192f3a4b5c6d7e8f9a0b1c2
     """
-    from ..services import accounts
+    from ..services.accounts import keys as accounts
 
     record = _on_store(database_url, data_dir, lambda store: accounts.revoke_key(store, key_id))
     click.echo(f"revoked {record.id} ({record.name})")
@@ -129,7 +129,7 @@ def keys_top_up(key_id: str, amount: int, database_url: str | None, data_dir: st
     Example:
       miserver keys top-up key_0192f3a4b5c6d7e8f9a0b1c2 1000000
     """
-    from ..services import accounts
+    from ..services.accounts import keys as accounts
 
     record = _on_store(database_url, data_dir, lambda store: accounts.top_up(store, key_id, {"amount": amount}))
     click.echo(f"{record.id} balance {_money(record.balance)}")
@@ -160,7 +160,7 @@ def usage(
     Example:
       miserver usage --group-by model --start 2026-12-01
     """
-    from ..services import billing
+    from ..services.accounts import billing
 
     async def work(store: Any) -> Any:
         return await billing.usage_rollup(

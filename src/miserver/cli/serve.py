@@ -219,7 +219,7 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
 
 def _check_exposure(settings: Settings) -> None:
     """Refuse, with one clear line, to serve a non-loopback address with no API key (unless --insecure-no-auth)."""
-    from ..services import accounts
+    from ..services.accounts import keys as accounts
 
     if settings.insecure_no_auth or accounts.is_loopback(settings.host):
         return

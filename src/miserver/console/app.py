@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api.common import AppState
 from ..errors import APIError, AuthenticationError, NotFoundError
-from ..services import accounts
+from ..services.accounts import keys as accounts
 from .sessions import COOKIE, FailureLimit, Session, Sessions
 
 #: The Content-Security-Policy of every console response: nothing but this server, no inline script or style.

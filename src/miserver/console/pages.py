@@ -18,9 +18,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from ..api.upload import receive_batch_upload
 from ..errors import APIError, AuthenticationError, InvalidRequestError, PermissionDeniedError
 from ..protocol.batches import BATCH_ENDPOINTS, BATCH_STATUSES, TERMINAL
-from ..services import accounts, billing, console, files, operations
-from ..services import batches as batches_service
-from ..services.accounts import Principal
+from ..services.accounts import billing
+from ..services.accounts import keys as accounts
+from ..services.accounts.keys import Principal
+from ..services.batch_api import batches as batches_service
+from ..services.batch_api import files, operations
+from ..services.batch_api import job_search as console
 from .app import console_state, safe_next, set_session_cookie
 from .sessions import COOKIE, SIGNIN_COOKIE, Session
 
@@ -298,7 +301,8 @@ async def upload(request: Request) -> Response:
 
 @router.get("/files/{file_id}/estimate", response_model=None)
 async def estimate(request: Request, file_id: str, endpoint: str = "/v1/chat/completions") -> Response:
-    """The cost estimate of a batch over an uploaded file (``services/billing.py``), with the amount formatted."""
+    """The cost estimate of a batch over an uploaded file (``services/accounts/billing.py``), with the amount
+    formatted."""
     st = console_state(request).app_state
     body = await billing.estimate_file_cost(st.store, st.ctx, file_id, endpoint)
     body["estimated_cost_text"] = f"{money(int(body['estimated_cost']))} {body['currency']}"

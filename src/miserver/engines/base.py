@@ -74,7 +74,7 @@ class TokenLogprob:
 
 
 @dataclass
-class Sequence_:
+class GeneratedSequence:
     """One generated sequence: text after stop-string trimming, with its finish reason.
 
     ``token_ids`` (and ``logprobs``, one per id) are the tokens the returned text comes from, including a token
@@ -102,7 +102,7 @@ class Sequence_:
 class GenerationResult:
     """All ``n`` sequences of a request; ``prompt_tokens`` counts the prompt once (OpenAI usage semantics)."""
 
-    sequences: list[Sequence_]
+    sequences: list[GeneratedSequence]
     prompt_tokens: int
 
     @property
@@ -115,7 +115,7 @@ class GenerationResult:
 class StreamDelta:
     """A streamed piece of one sequence. ``finish_reason`` is set on the sequence's last delta.
 
-    ``token_ids``/``logprobs`` are the tokens whose text this delta completes (as in :class:`Sequence_`);
+    ``token_ids``/``logprobs`` are the tokens whose text this delta completes (as in :class:`GeneratedSequence`);
     ``generated_tokens`` the tokens generated since the sequence's previous delta (their sum over a sequence is its
     usage ``completion_tokens``; it also counts tokens that return no text: a stop string's, an end-of-sequence).
     """

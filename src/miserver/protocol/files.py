@@ -48,7 +48,8 @@ class FileList(ResponseModel):
 
 class FileUploadForm(BaseModel):
     """The ``multipart/form-data`` fields of ``POST /v1/files``, as the OpenAPI document describes them. The form is
-    read as a stream (``api/upload.py``) and its fields checked by ``services/files.py`` with the bounds above."""
+    read as a stream (``api/upload.py``) and its fields checked by ``services/batch_api/files.py`` with the bounds
+    above."""
 
     file: bytes = Field(json_schema_extra={"format": "binary", "type": "string"})
     purpose: Literal["batch"]

@@ -21,10 +21,10 @@ from transformers.cache_utils import Cache
 
 from miserver.engines.base import (
     FinishReason,
+    GeneratedSequence,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
-    Sequence_,
     StreamDelta,
     TokenLogprob,
 )
@@ -486,7 +486,7 @@ def generate_request(
 def collect_result(deltas: Iterable[StreamDelta], request: GenerationRequest) -> GenerationResult:
     """Join the deltas of ``request``'s ``n`` sequences into a :class:`GenerationResult` (sequences in index order)."""
     want_logprobs = request.params.logprobs is not None
-    seqs = [Sequence_(i, [], "", "length", [] if want_logprobs else None) for i in range(request.n)]
+    seqs = [GeneratedSequence(i, [], "", "length", [] if want_logprobs else None) for i in range(request.n)]
     texts: list[list[str]] = [[] for _ in seqs]
     generated = [0] * len(seqs)
     for delta in deltas:

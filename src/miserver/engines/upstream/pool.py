@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from ...errors import APIError, UpstreamTimeoutError, UpstreamUnavailableError
-from ...scheduler import AdmissionGate
+from ...scheduling.admission import AdmissionGate
 from ..base import EngineInfo
 from .client import ServedModel, Upstream
 from .config import Timeouts, UpstreamConfig

@@ -1,0 +1,270 @@
+"""``POST /v1/chat/completions`` on the resident model: the one code path for the route and for batch rows."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from ...clock import now
+from ...engines.adapter import generation_request
+from ...engines.base import Engine, GenerationRequest, GenerationResult, ScoreRequest, ScoreResult, TokenLogprob
+from ...engines.upstream import UpstreamPool
+from ...errors import InvalidRequestError, MissingParameterError
+from ...ids import random_id
+from ...protocol.chat import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    ChunkDelta,
+)
+from ...protocol.common import ChatTokenLogprob, TopLogprob, Usage, carried_fields, parse_request
+from . import routing as gateway
+from .checks import (
+    check_context,
+    check_max_tokens,
+    check_stop,
+    check_stream_options,
+    refuse_message_names,
+    refuse_unsupported,
+)
+from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage, provenance_headers
+from .many import Outcome, Packing, Plan, run_many
+
+UNSUPPORTED_FIELDS = (
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "store",
+    "service_tier",
+)
+
+
+def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine | UpstreamPool]:
+    """Parse and check a request body without running it (batch validation calls this): :func:`check_local`, or,
+    for a model served by an upstream pool, :func:`parse` and the upstream context check (returns the pool)."""
+    return gateway.route_check(ctx, body, strict, parse, check_local)
+
+
+def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine]:
+    """Parse and check a request body without running it (batch validation calls this too).
+
+    Raises :class:`~miserver.errors.APIError`: 400 for schema, unknown (strict) and unsupported fields,
+    404 ``model_not_found``.
+    """
+    req = parse(body, strict=strict)
+    engine = ctx.resolve_model(req.model)
+    return req, engine
+
+
+def parse(body: Any, *, strict: bool) -> ChatCompletionRequest:
+    """The checks of a body that need no model (an upstream model's request gets these, then goes upstream).
+
+    Raises :class:`~miserver.errors.APIError` (400) as :func:`check` does.
+    """
+    req = parse_request(ChatCompletionRequest, body, strict=strict)
+    refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
+    refuse_message_names(req.messages)
+    check_max_tokens(req.max_tokens, req.max_completion_tokens)
+    check_stop(req.stop)
+    check_stream_options(req.stream, req.stream_options)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+    for i, message in enumerate(req.messages):
+        if message.content is None and message.role != "assistant":  # only an assistant turn may omit content
+            raise MissingParameterError(
+                f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content"
+            )
+    return req
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    role = {"developer": "system"}
+    return [{"role": role.get(m.role, m.role), "content": m.text()} for m in req.messages]
+
+
+def _logprob(lp: TokenLogprob) -> ChatTokenLogprob:
+    """One content token: its text (``bytes:\\xNN`` form where not valid UTF-8) and its share of the content's bytes
+    (joined over the message they rebuild the content); alternatives with their own vocabulary bytes."""
+    top = [TopLogprob(token=t, logprob=v, bytes=list(b)) for (_, t, v), b in zip(lp.top, lp.top_bytes, strict=True)]
+    return ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token_bytes), top_logprobs=top)
+
+
+@dataclass
+class _Prepared:
+    """A checked, tokenised request: everything but the engine run."""
+
+    req: ChatCompletionRequest
+    engine: Engine
+    gen: GenerationRequest
+    headers: dict[str, str]
+    completion_id: str
+
+    @property
+    def scoring(self) -> bool:
+        """Scoring mode (DESIGN §3.4): one token after one forward pass over the prompt; packable in a batch."""
+        return self.gen.params.max_tokens == 1 and not self.req.stream
+
+
+def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
+    """Check, tokenise, check the context length and pick the seed (raises :class:`~miserver.errors.APIError`)."""
+    req, engine = check_local(ctx, body, strict=call.strict)
+    prompt = engine.tokenize_chat(_messages(req))
+    room = engine.info.context_length - len(prompt)
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(room, 1)
+    check_context(len(prompt), max_tokens, engine.info.context_length, param="messages")
+    seed, seed_header = ctx.pick_seed(req.seed)
+    gen = generation_request(
+        prompt,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=req.stop,
+        seed=seed,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        n=req.n,
+    )
+    return _Prepared(req, engine, gen, provenance_headers(engine, seed_header, call.lease), random_id("chatcmpl-"))
+
+
+def _build(p: _Prepared, result: GenerationResult) -> ServiceResult:
+    """The response of a finished generation (the same code whether the row ran alone or in a pack)."""
+    choices = [
+        ChatChoice(
+            index=s.index,
+            message=ChatCompletionMessage(content=s.text),
+            logprobs=ChoiceLogprobs(content=[_logprob(lp) for lp in s.logprobs]) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+        )
+        for s in result.sequences
+    ]
+    usage = Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        total_tokens=result.prompt_tokens + result.completion_tokens,
+    )
+    model = p.engine.info.model_id
+    response = ChatCompletion(id=p.completion_id, created=now(), model=model, choices=choices, usage=usage)
+    return ServiceResult(200, response.model_dump(), p.headers, usage.prompt_tokens, usage.completion_tokens)
+
+
+async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
+    """Run a chat completion. Returns a :class:`ServiceResult`, or a :class:`StreamResult` when ``stream`` is true.
+
+    A scoring-mode request (one token) runs as one scoring pass (``Engine.score``), which chooses its token exactly
+    as generation does; any other through ``Engine.generate``. A model served by an upstream pool goes there
+    (:func:`~miserver.services.inference.routing.create`).
+    """
+    pool = gateway.target(ctx, body)
+    if pool is not None:
+        return await gateway.create(ctx, pool, "/v1/chat/completions", parse(body, strict=call.strict), body, call)
+    p = _prepare(ctx, body, call)
+    if p.req.stream:
+        include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
+        counted = StreamUsage()
+        events = _stream(ctx, p.engine, p.gen, call, p.completion_id, include_usage, counted)
+        return StreamResult(events, p.headers, counted)
+    return await _execute(ctx, p, call)
+
+
+async def _execute(ctx: ServiceContext, p: _Prepared, call: Call) -> ServiceResult:
+    """The computation of a prepared, non-streamed request under the admission gate (or ``call.slot``)."""
+    return _build(p, await run_prepared(ctx, p, call))
+
+
+def prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
+    """Check and tokenise a chat body, pick its seed and provenance headers (raises ``APIError``): the entry of the
+    services that translate another format into a chat request (Messages, Responses), then :func:`run_prepared`."""
+    return _prepare(ctx, body, call)
+
+
+async def run_prepared(ctx: ServiceContext, p: _Prepared, call: Call) -> GenerationResult:
+    """The engine computation of a prepared, non-streamed request under the admission gate (or ``call.slot``): a
+    scoring-mode request as one scoring pass, any other through ``Engine.generate``."""
+    async with ctx.gate.hold(call.priority, call.slot):
+        if p.scoring:
+            return (await p.engine.score(ScoreRequest(p.gen))).generation
+        return await p.engine.generate(p.gen)
+
+
+def _build_scored(p: _Prepared, results: list[ScoreResult]) -> ServiceResult:
+    return _build(p, results[0].generation)
+
+
+PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
+    prepare=_prepare,
+    units=lambda p: [ScoreRequest(p.gen)] if p.scoring else None,
+    build=_build_scored,
+    run_pack=lambda engine, units: engine.score_many(units),
+    run_one=lambda engine, unit: engine.score(unit),
+    execute=_execute,
+    generations=lambda p: None if p.scoring or p.req.stream else [p.gen],
+    build_generated=lambda p, results: _build(p, results[0]),
+)
+
+
+def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
+    """Many rows at once (the batch runner's one call): with ``plan`` None each row as :func:`create` computes it;
+    with a planner (``pack: true``) scoring rows in the packs it makes (``Engine.score_many``), other rows one at a
+    time. Yields every row at most once (see :func:`~miserver.services.inference.many.run_many`)."""
+    return gateway.create_many(ctx, "/v1/chat/completions", parse, partial(run_many, PACKING), bodies, call, plan)
+
+
+async def _stream(
+    ctx: ServiceContext,
+    engine: Engine,
+    gen: GenerationRequest,
+    call: Call,
+    completion_id: str,
+    include_usage: bool,
+    counted: StreamUsage,
+) -> AsyncIterator[str]:
+    created = now()
+    model = engine.info.model_id
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        c = ChatCompletionChunk(id=completion_id, created=created, model=model, choices=choices, usage=usage)
+        return json.dumps(c.model_dump(exclude_none=False))
+
+    completion_tokens = 0
+    async with ctx.gate.hold(call.priority, call.slot):
+        for i in range(gen.n):
+            yield chunk([ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))])
+        async for delta in engine.generate_stream(gen):
+            completion_tokens += delta.generated_tokens
+            counted.progress(len(gen.prompt_ids), completion_tokens)
+            logprobs = (
+                ChoiceLogprobs(content=[_logprob(lp) for lp in delta.logprobs])
+                if gen.params.logprobs is not None and delta.logprobs
+                else None
+            )
+            if delta.text or logprobs is not None:
+                yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(content=delta.text), logprobs=logprobs)])
+            if delta.finish_reason is not None:
+                yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=delta.finish_reason)])
+    prompt_tokens = len(gen.prompt_ids)
+    counted.set(prompt_tokens, completion_tokens)
+    if include_usage:
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        yield chunk([], usage)
+    yield "[DONE]"

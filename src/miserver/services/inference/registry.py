@@ -1,0 +1,48 @@
+"""Which service serves which endpoint: the table both ``api/`` and ``batches/`` read."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from ..accounts.billing import billed
+from . import chat, completions, embeddings, messages, probes, responses
+from .context import Call, ServiceContext, ServiceResult, StreamResult
+from .many import Outcome, Plan, run_each
+
+
+@dataclass(frozen=True)
+class EndpointService:
+    """One endpoint's service: ``check`` validates a body without running it; ``create`` runs it (the synchronous
+    route's code); ``create_many`` runs many bodies (the batch runner's one call, see
+    :func:`~miserver.services.inference.many.run_many`): with ``plan`` None each body as ``create`` computes it, with a
+    planner the packable work in packs. ``packable`` says whether a planner changes anything (``pack: true``)."""
+
+    check: Callable[..., tuple[Any, Any]]
+    create: Callable[[ServiceContext, Any, Call], Awaitable[ServiceResult | StreamResult]]  # usage recorded
+    create_many: Callable[[ServiceContext, list[Any], Call, Plan | None], AsyncIterator[Outcome]]
+    packable: bool
+
+
+SERVICES: dict[str, EndpointService] = {
+    "/v1/chat/completions": EndpointService(
+        chat.check, billed("/v1/chat/completions", chat.create), chat.create_many, True
+    ),
+    "/v1/completions": EndpointService(
+        completions.check, billed("/v1/completions", completions.create), completions.create_many, True
+    ),
+    "/v1/embeddings": EndpointService(
+        embeddings.check, billed("/v1/embeddings", embeddings.create), embeddings.create_many, True
+    ),
+    "/api/probes/score": EndpointService(
+        probes.check, billed("/api/probes/score", probes.create), partial(run_each, probes.create), False
+    ),
+    "/v1/responses": EndpointService(
+        responses.check, billed("/v1/responses", responses.create), partial(run_each, responses.create), False
+    ),
+    "/anthropic/v1/messages": EndpointService(
+        messages.check, billed("/anthropic/v1/messages", messages.create), partial(run_each, messages.create), False
+    ),
+}

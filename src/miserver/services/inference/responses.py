@@ -1,0 +1,362 @@
+"""``POST /v1/responses`` (OpenAI's Responses API), translated into the chat service: one inference path.
+
+A Responses request becomes a chat completion request (``instructions`` a system turn first, then the turns of the
+``previous_response_id`` chain, then ``input``; ``max_output_tokens`` is ``max_completion_tokens``) and runs through
+:func:`miserver.services.inference.chat.create`: the same admission gate, engine, seed and provenance headers as a chat
+request, so at temperature 0 both return the same text. The chat completion (or its stream of chunks) is translated
+back into a Response object (or OpenAI's Responses stream events).
+
+``store`` (default true, as OpenAI's) keeps the Response and its conversation in the database for
+``GET``/``DELETE /v1/responses/{id}`` and for ``previous_response_id``, for :data:`RETENTION_SECONDS` (30 days, as
+files). Batch rows run :func:`create` too (one at a time: Responses rows never pack).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ...clock import now
+from ...engines.base import Engine
+from ...errors import APIError, InvalidRequestError, NotFoundError, UnsupportedParameterError
+from ...ids import ordered_id, random_id
+from ...protocol.common import parse_request
+from ...protocol.responses import (
+    IncompleteDetails,
+    InputMessage,
+    OutputMessage,
+    OutputText,
+    OutputTextPart,
+    ResponseCreateRequest,
+    ResponseDeleted,
+    ResponseObject,
+    ResponseUsage,
+)
+from ...store import responses as store_responses
+from ...store.responses import StoredResponse
+from ..accounts import keys as accounts
+from ..batch_api.batches import check_metadata
+from . import chat
+from .context import Call, ServiceContext, ServiceResult, StreamResult
+
+#: How long a stored Response is kept: 30 days after creation, as files (``FILE_DEFAULT_EXPIRY_SECONDS``'s default).
+RETENTION_SECONDS = 2_592_000
+#: Expired Responses are deleted when a Response is stored, at most once per this many seconds per process.
+PRUNE_EVERY_SECONDS = 3600
+_next_prune = {"at": 0}
+
+Turns = list[dict[str, str]]
+
+
+def _unsupported(name: str, why: str) -> UnsupportedParameterError:
+    return UnsupportedParameterError(f"Unsupported parameter: '{name}' {why}", param=name)
+
+
+def _refuse_unsupported(req: ResponseCreateRequest) -> None:
+    """400 ``unsupported_parameter`` naming the first field the resident engine cannot honour; neutral values
+    (empty tools, ``tool_choice`` ``auto``/``none``, ``background`` false, ``truncation`` ``disabled``, ...) pass."""
+    if req.stop is not None:
+        raise _unsupported(
+            "stop",
+            "is not a parameter of OpenAI's Responses API (it has no stop sequences). Send the request to "
+            "/v1/chat/completions, which takes 'stop'.",
+        )
+    if req.tools:
+        raise _unsupported("tools", "is not supported: the resident engine has no tools.")
+    if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
+        raise _unsupported("tool_choice", "is not supported: the resident engine has no tools.")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise _unsupported("reasoning", "is not supported: the resident model has no reasoning options.")
+    if req.background:
+        raise _unsupported("background", "is not supported: send the request synchronously, or as a batch.")
+    if req.include:
+        raise _unsupported("include", "is not supported: a Response here has no extra data to include.")
+    if req.conversation is not None:
+        raise _unsupported("conversation", "is not supported: chain stored responses with 'previous_response_id'.")
+    if req.prompt is not None:
+        raise _unsupported("prompt", "is not supported: this server keeps no prompt templates.")
+    if req.top_logprobs:
+        raise _unsupported("top_logprobs", "is not supported on /v1/responses: use /v1/chat/completions.")
+    if req.truncation == "auto":
+        raise _unsupported("truncation", "'auto' is not supported: an input too long for the context is refused.")
+    if req.service_tier not in (None, "auto", "default"):
+        raise _unsupported("service_tier", "is not supported: this server has one service tier.")
+    if req.context_management is not None:
+        raise _unsupported("context_management", "is not supported.")
+    if req.text is not None:
+        _check_text_config(req.text.format, req.text.verbosity)
+    if req.stream_options is not None and req.stream is not True:
+        raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+
+
+def _check_text_config(form: dict[str, Any] | None, verbosity: str | None) -> None:
+    if verbosity is not None:
+        raise _unsupported("text.verbosity", "is not supported by the resident model.")
+    if form is None:
+        return
+    kind = form.get("type")
+    if kind in ("json_schema", "json_object"):
+        raise _unsupported("text.format", f"of type '{kind}' is not supported: the engine does not constrain output.")
+    if kind != "text":
+        raise InvalidRequestError(
+            "Invalid value for 'text.format.type': it must be one of 'text', 'json_schema', 'json_object' (this "
+            "server serves 'text').",
+            param="text.format.type",
+        )
+
+
+def _input_turns(req: ResponseCreateRequest) -> Turns:
+    """``input`` as chat turns; 400 on an ``output_text`` part outside an assistant message."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    turns = []
+    for i, item in enumerate(req.input):
+        assert isinstance(item, InputMessage), "other items are refused by the request model"
+        if item.role != "assistant" and not isinstance(item.content, str):
+            for j, part in enumerate(item.content):
+                if isinstance(part, OutputTextPart):
+                    param = f"input[{i}].content[{j}].type"
+                    raise InvalidRequestError(
+                        f"Invalid value for '{param}': 'output_text' parts belong to assistant messages; a "
+                        f"{item.role} message's text is an 'input_text' part.",
+                        param=param,
+                    )
+        turns.append({"role": item.role, "content": item.text()})
+    return turns
+
+
+def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCreateRequest, Engine]:
+    """Parse and check a request body without running it (batch validation calls this too): 400 for schema,
+    unknown (strict) and unsupported fields, 404 ``model_not_found`` (resolved as the chat service resolves it).
+    A ``previous_response_id`` is looked up when the request runs."""
+    req = parse_request(ResponseCreateRequest, body, strict=strict)
+    _refuse_unsupported(req)
+    check_metadata(req.metadata)
+    _input_turns(req)
+    return req, ctx.resolve_model(req.model)
+
+
+def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
+    """The chat completion request that computes ``req`` (``turns``: the earlier turns and the input)."""
+    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    body: dict[str, Any] = {"model": req.model, "messages": system + turns}
+    if req.max_output_tokens is not None:
+        body["max_completion_tokens"] = req.max_output_tokens
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.top_p is not None:
+        body["top_p"] = req.top_p
+    if req.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _from_chat(exc: APIError) -> APIError:
+    """A chat service error named as this route names it: the chat request's ``messages`` are ``input`` here."""
+    if exc.param is not None and exc.param.startswith("messages"):
+        return type(exc)(exc.message, param="input", code=exc.code)
+    return exc
+
+
+async def _earlier_turns(ctx: ServiceContext, previous_id: str | None) -> Turns:
+    if previous_id is None:
+        return []
+    async with ctx.require_store().read() as conn:
+        record = await store_responses.get_response(conn, previous_id, now=now())
+    if record is None or not accounts.visible(record.owner_key_id):
+        raise InvalidRequestError(
+            f"Previous response with id '{previous_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return record.turns
+
+
+def _response(
+    req: ResponseCreateRequest,
+    ids: tuple[str, str],
+    created: int,
+    model: str,
+    *,
+    text: str | None,
+    finish_reason: str | None = None,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Response object: in progress (``text`` None: no output yet) or finished."""
+    response_id, message_id = ids
+    status = "in_progress" if text is None else "incomplete" if finish_reason == "length" else "completed"
+    output = (
+        []
+        if text is None
+        else [
+            OutputMessage(
+                id=message_id,
+                status="incomplete" if status == "incomplete" else "completed",
+                content=[OutputText(text=text)],
+            )
+        ]
+    )
+    return ResponseObject(
+        id=response_id,
+        created_at=created,
+        status=status,  # type: ignore[arg-type]
+        completed_at=now() if status == "completed" else None,
+        incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        max_tool_calls=req.max_tool_calls,
+        model=model,
+        output=output,
+        parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+        previous_response_id=req.previous_response_id,
+        store=req.store is not False,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        tool_choice="none" if req.tool_choice == "none" else "auto",
+        top_p=1.0 if req.top_p is None else req.top_p,
+        usage=ResponseUsage(
+            input_tokens=usage["prompt_tokens"],
+            output_tokens=usage["completion_tokens"],
+            total_tokens=usage["prompt_tokens"] + usage["completion_tokens"],
+        )
+        if usage is not None
+        else None,
+        user=req.user,
+        metadata=req.metadata or {},
+    ).model_dump()
+
+
+async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns, text: str) -> None:
+    """Keep ``response`` and its conversation (``turns`` then its answer) for :data:`RETENTION_SECONDS`."""
+    created = int(response["created_at"])
+    record = StoredResponse(
+        id=response["id"],
+        model=response["model"],
+        created_at=created,
+        expires_at=created + RETENTION_SECONDS,
+        body=response,
+        turns=[*turns, {"role": "assistant", "content": text}],
+        owner_key_id=accounts.current().owner,
+    )
+    at = now()
+    async with ctx.require_store().tx() as conn:
+        await store_responses.insert_response(conn, record)
+        if at >= _next_prune["at"]:
+            await store_responses.prune_expired(conn, now=at)
+            _next_prune["at"] = at + PRUNE_EVERY_SECONDS
+
+
+async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
+    """Run a Responses request through the chat service. Returns a :class:`ServiceResult` whose body is the
+    Response object, or a :class:`StreamResult` of Responses stream events (JSON text, each with its ``type`` and
+    ``sequence_number``) when ``stream`` is true. Raises :class:`~miserver.errors.APIError` as the chat service does
+    (a ``messages`` param named ``input``), and 400 ``previous_response_not_found``."""
+    req, _engine = check(ctx, body, strict=call.strict)
+    turns = await _earlier_turns(ctx, req.previous_response_id) + _input_turns(req)
+    created = now()
+    ids = (ordered_id("resp_"), random_id("msg_"))
+    try:
+        result = await chat.create(ctx, _chat_body(req, turns), call)
+    except APIError as exc:
+        raise _from_chat(exc) from None
+    if isinstance(result, StreamResult):
+        # the chat stream's own counts (result.usage) bill this stream, also when its client goes away midway
+        return StreamResult(_stream(ctx, req, turns, result, ids, created), result.headers, result.usage)
+    choice = result.body["choices"][0]
+    text = choice["message"]["content"] or ""
+    response = _response(
+        req,
+        ids,
+        created,
+        result.body["model"],
+        text=text,
+        finish_reason=choice["finish_reason"],
+        usage=result.body["usage"],
+    )
+    if req.store is not False:
+        await _save(ctx, response, turns, text)
+    return ServiceResult(200, response, result.headers, result.prompt_tokens, result.completion_tokens)
+
+
+async def _stream(
+    ctx: ServiceContext,
+    req: ResponseCreateRequest,
+    turns: Turns,
+    chat_stream: StreamResult,
+    ids: tuple[str, str],
+    created: int,
+) -> AsyncIterator[str]:
+    """OpenAI's Responses event sequence over the chat service's stream of chunks: ``response.created``,
+    ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
+    ``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
+    ``response.output_item.done``, then ``response.completed`` (or ``response.incomplete``). A failure while
+    generating ends the stream with an ``error`` event."""
+    sequence = 0
+    model = chat_stream.headers.get("X-miLLM-Model", req.model)
+    message_id = ids[1]
+    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal sequence
+        payload = json.dumps({"type": kind, "sequence_number": sequence, **fields})
+        sequence += 1
+        return payload
+
+    started = _response(req, ids, created, model, text=None)
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
+    item = OutputMessage(id=message_id, status="in_progress", content=[]).model_dump()
+    yield event("response.output_item.added", output_index=0, item=item)
+    yield event("response.content_part.added", **where, part=OutputText(text="").model_dump())
+    pieces: list[str] = []
+    finish_reason = "stop"
+    usage: dict[str, Any] | None = None
+    try:
+        async for payload in chat_stream.events:
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                delta = choice["delta"].get("content")
+                if delta:
+                    pieces.append(delta)
+                    yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
+                finish_reason = choice.get("finish_reason") or finish_reason
+    except APIError as exc:
+        yield event("error", code=exc.code, message=exc.message, param=exc.param)
+        return
+    finally:  # a client gone mid-stream closes this generator: the chat stream frees the admission slot now
+        close = getattr(chat_stream.events, "aclose", None)
+        if close is not None:
+            await close()
+    text = "".join(pieces)
+    part = OutputText(text=text).model_dump()
+    yield event("response.output_text.done", **where, text=text, logprobs=[])
+    yield event("response.content_part.done", **where, part=part)
+    final = _response(req, ids, created, model, text=text, finish_reason=finish_reason, usage=usage)
+    yield event("response.output_item.done", output_index=0, item=final["output"][0])
+    if req.store is not False:
+        await _save(ctx, final, turns, text)
+    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield event(kind, response=final)
+
+
+async def retrieve(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
+    """The stored Response ``response_id``; 404 when there is none (never stored, deleted, or expired)."""
+    async with ctx.require_store().read() as conn:
+        record = await store_responses.get_response(conn, response_id, now=now())
+    if record is None or not accounts.visible(record.owner_key_id):
+        raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
+    return record.body
+
+
+async def delete(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
+    """Delete the stored Response ``response_id``: ``{"id", "object": "response", "deleted": true}``; 404 when
+    there is none."""
+    async with ctx.require_store().tx() as conn:
+        deleted = await store_responses.delete_response(conn, response_id, now=now(), owner=accounts.scope())
+    if not deleted:
+        raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
+    return ResponseDeleted(id=response_id).model_dump()
