@@ -23,8 +23,9 @@ from miserver.errors import (
 )
 from miserver.services.batch_api import batches as batches_service
 from miserver.services.batch_api import files as files_service
-from miserver.services.batch_api.batches import BatchCreate, check, check_input_file, check_metadata, window_hours
+from miserver.services.batch_api.batches import BatchCreate, check, check_input_file, window_hours
 from miserver.services.batch_api.files import FileUpload, check_purpose, content_expired, expires_at
+from miserver.services.inference.checks import check_metadata
 from miserver.store import Store
 from miserver.store import batches as store_batches
 from miserver.store.files import FileRecord

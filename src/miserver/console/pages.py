@@ -24,6 +24,7 @@ from ..services.accounts.keys import Principal
 from ..services.batch_api import batches as batches_service
 from ..services.batch_api import files, operations
 from ..services.batch_api import job_search as console
+from ..services.inference.checks import MAX_METADATA_VALUE_CHARS
 from .app import console_state, safe_next, set_session_cookie
 from .sessions import COOKIE, SIGNIN_COOKIE, Session
 
@@ -34,7 +35,7 @@ RESULTS_PAGE = 50
 #: Validation errors shown on the detail page.
 MAX_SHOWN_ERRORS = 1000
 #: Longest description accepted (characters), as ``metadata`` values.
-MAX_DESCRIPTION = batches_service.MAX_METADATA_VALUE_CHARS
+MAX_DESCRIPTION = MAX_METADATA_VALUE_CHARS
 
 
 def _session(request: Request) -> Session:

@@ -40,17 +40,13 @@ from ...store.files import FileRecord
 from ..accounts import billing
 from ..accounts import keys as accounts
 from ..accounts.billing import PriceTable
-from ..inference.checks import decode_json
+from ..inference.checks import check_metadata, decode_json
 from .eta import check_on_time
 from .files import content_expired
 from .idempotency import Keyed, check_key, create_once
 
 #: ``completion_window``: whole hours, written ``<n>h`` without a leading zero.
 WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
-#: ``metadata`` limits: pairs, characters per key, characters per value.
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 #: ``GET /v1/batches``: ``limit`` is 1..this.
 LIST_LIMIT_MAX = 100
 #: The statuses of a batch that has not finished.
@@ -94,28 +90,6 @@ def window_hours(window: str, max_hours: int) -> int:
             param="completion_window",
         )
     return hours
-
-
-def check_metadata(metadata: dict[str, str] | None) -> None:
-    """At most 16 pairs, keys of at most 64 characters, values of at most 512; else 400 (param ``metadata``).
-    (That keys and values are strings is the request model's rule.)"""
-    if metadata is None:
-        return
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise InvalidRequestError(
-            f"Invalid 'metadata': at most {MAX_METADATA_PAIRS} key-value pairs.", param="metadata"
-        )
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY_CHARS:
-            raise InvalidRequestError(
-                f"Invalid 'metadata': key {key[:20]!r}... is over {MAX_METADATA_KEY_CHARS} characters.",
-                param="metadata",
-            )
-        if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidRequestError(
-                f"Invalid 'metadata': the value of {key!r} is over {MAX_METADATA_VALUE_CHARS} characters.",
-                param="metadata",
-            )
 
 
 def check_input_file(record: FileRecord | None, file_id: str, at: int) -> None:

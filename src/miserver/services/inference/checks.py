@@ -135,3 +135,31 @@ def check_context(prompt_tokens: int, max_tokens: int, context_length: int, *, p
             "Please reduce the length of the prompt or the completion.",
             param=param,
         )
+
+
+#: OpenAI's bounds on ``metadata`` (batches, Responses): pairs, key and value lengths in characters
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """At most 16 pairs, keys of at most 64 characters, values of at most 512; else 400 (param ``metadata``).
+    (That keys and values are strings is the request model's rule.)"""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequestError(
+            f"Invalid 'metadata': at most {MAX_METADATA_PAIRS} key-value pairs.", param="metadata"
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidRequestError(
+                f"Invalid 'metadata': key {key[:20]!r}... is over {MAX_METADATA_KEY_CHARS} characters.",
+                param="metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequestError(
+                f"Invalid 'metadata': the value of {key!r} is over {MAX_METADATA_VALUE_CHARS} characters.",
+                param="metadata",
+            )

@@ -36,8 +36,8 @@ from ...protocol.responses import (
 from ...store import responses as store_responses
 from ...store.responses import StoredResponse
 from ..accounts import keys as accounts
-from ..batch_api.batches import check_metadata
 from . import chat
+from .checks import check_metadata
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 
 #: How long a stored Response is kept: 30 days after creation, as files (``FILE_DEFAULT_EXPIRY_SECONDS``'s default).
