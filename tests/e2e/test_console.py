@@ -172,7 +172,7 @@ def test_cancel_a_second_job(console: Console) -> None:
     page.locator(f'tr[data-batch-id="{second.id}"] [data-field="status"]', has_text="cancelled").wait_for()
     assert done.request_counts is not None and done.request_counts.completed < 50
     page.goto(console.url("/console/"))
-    console.shot("jobs-all")  # the README's picture of the job list
+    console.shot("jobs-all")  # the picture of the job list in docs/console.md (docs/images/console-jobs.png)
 
 
 def test_download_both_files_equal_the_api_bytes(console: Console) -> None:

@@ -1,4 +1,5 @@
-"""The README documents every setting, and every CLI command's ``--help`` shows an example."""
+"""The manual (README.md and the pages under docs/) documents every setting, and every CLI command's ``--help`` shows
+an example."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ from miserver.services.accounts import billing
 from miserver.services.accounts import keys as accounts
 from miserver.settings import Settings
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+CONFIGURATION = DOCS / "configuration.md"
+ACCOUNTS = DOCS / "accounts.md"
+RESPONSES_AND_ANTHROPIC = DOCS / "responses-and-anthropic.md"
 
 
 def _readme_env_table() -> set[str]:
-    """The variables named in the first column of the README's "Environment variables" table."""
-    text = README.read_text()
+    """The variables named in the first column of the "Environment variables" table of docs/configuration.md."""
+    text = CONFIGURATION.read_text()
     section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     return set(re.findall(r"^\| `([A-Z0-9_]+)` \|", section, flags=re.MULTILINE))
 
@@ -61,19 +65,21 @@ def _cli_env_names() -> set[str]:
 
 def test_every_setting_is_in_the_readme_table() -> None:
     table = _readme_env_table()
-    assert table, "README.md has no '## Environment variables' table"
+    assert table, "docs/configuration.md has no '## Environment variables' table"
     missing = sorted(_setting_env_names() - table)
-    assert not missing, f"settings missing from README's environment table: {missing}"
+    assert not missing, f"settings missing from the environment table of docs/configuration.md: {missing}"
 
 
 def test_every_cli_environment_variable_is_in_the_readme_table() -> None:
     missing = sorted(_cli_env_names() - _readme_env_table())
-    assert not missing, f"CLI environment variables missing from README's environment table: {missing}"
+    assert not missing, (
+        f"CLI environment variables missing from the environment table of docs/configuration.md: {missing}"
+    )
 
 
 def test_the_readme_table_names_no_unknown_variable() -> None:
     unknown = sorted(_readme_env_table() - _setting_env_names() - _cli_env_names())
-    assert not unknown, f"README's environment table names variables nothing reads: {unknown}"
+    assert not unknown, f"the environment table of docs/configuration.md names variables nothing reads: {unknown}"
 
 
 @pytest.mark.parametrize(
@@ -102,25 +108,27 @@ def test_every_cli_option_help_names_the_environment_variable_it_reads(path: tup
 
 
 def test_the_readme_lists_exactly_the_routes_open_without_a_key() -> None:
-    """The Accounts section's "Open without a key:" sentence names each of ``OPEN_ROUTES`` and ``OPEN_PREFIXES``, and
+    """The Accounts page's "Open without a key:" sentence names each of ``OPEN_ROUTES`` and ``OPEN_PREFIXES``, and
     nothing else."""
-    text = " ".join(README.read_text().split("## Accounts", 1)[1].split())
+    text = " ".join(ACCOUNTS.read_text().split("# Accounts", 1)[1].split())
     sentence = text.split("Open without a key: ", 1)[1].split(", since ", 1)[0]
     listed = set(re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`]*)`", sentence))
     assert listed == set(accounts.OPEN_ROUTES), sentence
     assert all(f"`{prefix}`" in sentence for prefix in accounts.OPEN_PREFIXES), sentence
 
 
-def _paragraph(starting: str) -> str:
-    text = README.read_text()
+def _paragraph(starting: str, page: Path) -> str:
+    text = page.read_text()
     return " ".join(text[text.index(starting) :].split("\n\n", 1)[0].split())
 
 
 async def test_the_readme_says_that_usage_is_recorded_per_key_only() -> None:
-    """What the README says about usage on a server without keys is what billing does: no record without a key."""
-    usage = _paragraph("**Usage records.**")
+    """What docs/accounts.md says about usage on a server without keys is what billing does: no record without a key."""
+    usage = _paragraph("**Usage records.**", ACCOUNTS)
     assert "Usage is recorded per key only: a server with no keys records none" in usage
-    assert "everything costs 0 (each key's usage is still recorded, at cost 0)" in _paragraph("`input` and `output`")
+    assert "everything costs 0 (each key's usage is still recorded, at cost 0)" in _paragraph(
+        "`input` and `output`", ACCOUNTS
+    )
     row = {"prices": None, "endpoint": "/v1/chat/completions", "batch_id": "batch_1", "line": 1, "model": "m"}
     assert billing.row_usage(owner=None, input_tokens=3, output_tokens=2, **row) is None
     assert billing.row_usage(owner="key_1", input_tokens=3, output_tokens=2, **row) is not None
@@ -131,7 +139,7 @@ async def test_the_readme_says_that_usage_is_recorded_per_key_only() -> None:
 
 def test_the_readme_says_how_the_anthropic_routes_read_x_api_key() -> None:
     """``x-api-key`` is the API key on the /anthropic routes (not a header ignored by a server "with no keys")."""
-    anthropic = _paragraph("`POST /anthropic/v1/messages` serves")
+    anthropic = _paragraph("`POST /anthropic/v1/messages` serves", RESPONSES_AND_ANTHROPIC)
     assert "this server has no keys" not in anthropic
     assert "`x-api-key` is read as the API key, like `Authorization: Bearer`" in anthropic
     request = SimpleNamespace(headers={"x-api-key": "sk-abc"}, url=SimpleNamespace(path="/anthropic/v1/messages"))

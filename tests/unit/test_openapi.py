@@ -41,7 +41,7 @@ def _own_schema(model: type[BaseModel], mode: str) -> dict[str, Any]:
 
 
 def test_every_route_is_documented(app_and_document: tuple[Any, dict[str, Any]]) -> None:
-    """A route without ``@documented(...)`` would be a hole in the document: add the decorator (README, "OpenAPI")."""
+    """A route without ``@documented(...)`` would be a hole in the document: add the decorator (docs/openapi.md)."""
     app, _ = app_and_document
     names = {f"{method} {op.path}": op.documentation for op in operations(app) for method in op.methods}
     missing = sorted(name for name, doc in names.items() if doc is None)
