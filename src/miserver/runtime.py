@@ -17,7 +17,7 @@ from .clock import now
 from .engines.base import Engine, GenerationRequest, PoolRequest
 from .engines.upstream import Gateway, KnownUpstream, RetryPolicy, ServedModel, Timeouts, start_gateway
 from .scheduling.admission import AdmissionGate
-from .services.accounts.billing import PriceTable
+from .services.accounts.prices import PriceTable
 from .services.inference.context import ServiceContext
 from .services.model_life.catalogue import Catalogue, CatalogueEntry, read_catalogue_file
 from .services.model_life.checkpoints import Checkpoints

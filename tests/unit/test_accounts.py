@@ -23,9 +23,11 @@ from miserver.cli import main
 from miserver.errors import InvalidRequestError
 from miserver.protocol.accounts import TopUpRequest
 from miserver.protocol.common import parse_request
-from miserver.services.accounts import billing
 from miserver.services.accounts import keys as accounts
-from miserver.services.accounts.billing import PriceFileError, PriceTable
+from miserver.services.accounts.balance import BatchVerdict, batch_verdict
+from miserver.services.accounts.prices import PriceFileError, PriceTable, cost, price_from_snapshot
+from miserver.services.batch_api.estimates import estimate_input_tokens, max_output_tokens
+from miserver.services.inference.metering import _stream_usage
 from miserver.settings import Settings
 from miserver.store import Store
 from miserver.store.keys import KeyRecord
@@ -89,12 +91,12 @@ def test_prices_batch_discount_and_costs() -> None:
     table = PriceTable.parse({"batch_discount": 0.5, "models": {"m": {"input": 3, "output": 7}, "*": {"input": 1}}})
     assert table.realtime("m") == (3, 7) and table.realtime("other") == (1, 0)
     assert table.batch("m") == (2, 4)  # round half to even: 1.5 -> 2, 3.5 -> 4
-    assert billing.cost((2_000_000, 4_000_000), 10, 5) == 40
-    assert billing.cost((1, 0), 499_999, 0) == 0 and billing.cost((1, 0), 500_000, 0) == 1  # half up
+    assert cost((2_000_000, 4_000_000), 10, 5) == 40
+    assert cost((1, 0), 499_999, 0) == 0 and cost((1, 0), 500_000, 0) == 1  # half up
     snapshot = PriceTable.parse({"models": {"m": {"input": 2_000_000, "output": 4_000_000}}}).batch_snapshot()
     assert snapshot == {"m": [1_000_000, 2_000_000]}
-    assert billing.price_from_snapshot(snapshot, "m") == (1_000_000, 2_000_000)
-    assert billing.price_from_snapshot(snapshot, "unknown") == (0, 0) and billing.price_from_snapshot(None, "m") == (
+    assert price_from_snapshot(snapshot, "m") == (1_000_000, 2_000_000)
+    assert price_from_snapshot(snapshot, "unknown") == (0, 0) and price_from_snapshot(None, "m") == (
         0,
         0,
     )
@@ -121,20 +123,20 @@ def test_a_bad_price_file_is_refused_naming_the_field(raw: object, says: str, tm
 
 def test_batch_verdict_revoked_balance_grace_and_top_up() -> None:
     running = SimpleNamespace(balance_waiting_since=None)
-    assert billing.batch_verdict(_key(), running, now=100, grace_seconds=0) == billing.BatchVerdict()
-    assert billing.batch_verdict(_key(None), running, now=100, grace_seconds=0) == billing.BatchVerdict()
-    revoked = billing.batch_verdict(_key(revoked_at=5), running, now=100, grace_seconds=60)
+    assert batch_verdict(_key(), running, now=100, grace_seconds=0) == BatchVerdict()
+    assert batch_verdict(_key(None), running, now=100, grace_seconds=0) == BatchVerdict()
+    revoked = batch_verdict(_key(revoked_at=5), running, now=100, grace_seconds=60)
     assert revoked.fail is not None and revoked.fail.code == "key_revoked"
-    assert billing.batch_verdict(None, running, now=100, grace_seconds=60).fail is not None
-    empty = billing.batch_verdict(_key(0), running, now=100, grace_seconds=0)
+    assert batch_verdict(None, running, now=100, grace_seconds=60).fail is not None
+    empty = batch_verdict(_key(0), running, now=100, grace_seconds=0)
     assert empty.fail is not None and empty.fail.code == "insufficient_quota"
     # with a grace: wait first, fail once the grace has passed since the wait began
-    assert billing.batch_verdict(_key(-3), running, now=100, grace_seconds=60).waiting
+    assert batch_verdict(_key(-3), running, now=100, grace_seconds=60).waiting
     waiting = SimpleNamespace(balance_waiting_since=100)
-    assert billing.batch_verdict(_key(-3), waiting, now=159, grace_seconds=60).waiting
-    assert billing.batch_verdict(_key(-3), waiting, now=160, grace_seconds=60).fail is not None
+    assert batch_verdict(_key(-3), waiting, now=159, grace_seconds=60).waiting
+    assert batch_verdict(_key(-3), waiting, now=160, grace_seconds=60).fail is not None
     # a top-up during the grace: the batch goes on
-    assert billing.batch_verdict(_key(50), waiting, now=159, grace_seconds=60) == billing.BatchVerdict()
+    assert batch_verdict(_key(50), waiting, now=159, grace_seconds=60) == BatchVerdict()
 
 
 def test_token_estimates() -> None:
@@ -149,11 +151,11 @@ def test_token_estimates() -> None:
         "max_tokens": 4,
         "n": 2,
     }
-    assert billing.estimate_input_tokens(tokenize, chat) == 5
-    assert billing.estimate_input_tokens(tokenize, {"prompt": [[1, 2, 3], "a b"]}) == 5
-    assert billing.max_output_tokens(chat, -1) == 8
-    assert billing.max_output_tokens({"messages": []}, -1) == -1
-    assert billing.max_output_tokens({"input": "x"}, -1) == 0  # embeddings generate nothing
+    assert estimate_input_tokens(tokenize, chat) == 5
+    assert estimate_input_tokens(tokenize, {"prompt": [[1, 2, 3], "a b"]}) == 5
+    assert max_output_tokens(chat, -1) == 8
+    assert max_output_tokens({"messages": []}, -1) == -1
+    assert max_output_tokens({"input": "x"}, -1) == 0  # embeddings generate nothing
 
 
 def test_loopback_addresses() -> None:
@@ -253,13 +255,13 @@ def test_usage_read_from_stream_events() -> None:
     chat = json.dumps(
         {"object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
     )
-    assert billing._stream_usage(chat) == (9, 4)
-    assert billing._stream_usage(json.dumps({"choices": [{"delta": {"content": "usage"}}]})) is None
+    assert _stream_usage(chat) == (9, 4)
+    assert _stream_usage(json.dumps({"choices": [{"delta": {"content": "usage"}}]})) is None
     completed = {"type": "response.completed", "response": {"usage": {"input_tokens": 7, "output_tokens": 3}}}
-    assert billing._stream_usage("event: response.completed\ndata: " + json.dumps(completed)) == (7, 3)
+    assert _stream_usage("event: response.completed\ndata: " + json.dumps(completed)) == (7, 3)
     start = {"type": "message_start", "message": {"usage": {"input_tokens": 11, "output_tokens": 1}}}
-    assert billing._stream_usage("event: message_start\ndata: " + json.dumps(start)) == (11, 1)
-    assert billing._stream_usage("data: [DONE]") is None
+    assert _stream_usage("event: message_start\ndata: " + json.dumps(start)) == (11, 1)
+    assert _stream_usage("data: [DONE]") is None
 
 
 def test_upstream_health_hides_urls_and_errors_from_a_non_admin_key() -> None:

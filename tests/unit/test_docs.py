@@ -14,8 +14,9 @@ from click.testing import CliRunner
 from pydantic import AliasChoices
 
 from miserver.cli import main
-from miserver.services.accounts import billing
 from miserver.services.accounts import keys as accounts
+from miserver.services.accounts.prices import PriceTable, row_usage
+from miserver.services.inference.metering import record_realtime
 from miserver.settings import Settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -130,11 +131,11 @@ async def test_the_readme_says_that_usage_is_recorded_per_key_only() -> None:
         "`input` and `output`", ACCOUNTS
     )
     row = {"prices": None, "endpoint": "/v1/chat/completions", "batch_id": "batch_1", "line": 1, "model": "m"}
-    assert billing.row_usage(owner=None, input_tokens=3, output_tokens=2, **row) is None
-    assert billing.row_usage(owner="key_1", input_tokens=3, output_tokens=2, **row) is not None
+    assert row_usage(owner=None, input_tokens=3, output_tokens=2, **row) is None
+    assert row_usage(owner="key_1", input_tokens=3, output_tokens=2, **row) is not None
     store: Any = None  # not reached: a caller without a key writes nothing
     chat = ("/v1/chat/completions", "m", 3, 2, "req_1")
-    assert await billing.record_realtime(store, billing.PriceTable(), accounts.SYSTEM, *chat) is False
+    assert await record_realtime(store, PriceTable(), accounts.SYSTEM, *chat) is False
 
 
 def test_the_readme_says_how_the_anthropic_routes_read_x_api_key() -> None:

@@ -164,13 +164,10 @@ def _all_imports() -> list[Import]:
 KNOWN_CIRCLES: list[list[str]] = [
     ["miserver.batches.runner", "miserver.batches.upstream_runs"],
     ["miserver.console.app", "miserver.console.pages"],
-    ["miserver.services.accounts.billing", "miserver.services.inference.context"],
 ]
 KNOWN_BREAKS: set[str] = {
     "miserver.batches.runner imports miserver.jobs.pruning",
     "miserver.batches.runner imports miserver.jobs.webhook_delivery",
-    "miserver.services.accounts.billing imports miserver.services.inference.context",
-    "miserver.services.accounts.billing imports miserver.services.batch_api.files",
 }
 
 

@@ -1,5 +1,5 @@
 """Accounts routes (issue 13): API keys (admin only), usage rollups, the caller's own key, and a batch input file's
-cost estimate. Thin wrappers over ``services/accounts/keys.py`` and ``services/accounts/billing.py``."""
+cost estimate. Thin wrappers over ``services/accounts/`` and ``services/batch_api/estimates.py``."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from ..protocol.accounts import (
     TopUpRequest,
     UsageRollup,
 )
-from ..services.accounts import billing
 from ..services.accounts import keys as accounts
 from ..services.accounts.keys import KeySpec, key_object, require_admin
+from ..services.accounts.prices import PriceTable
+from ..services.accounts.rollups import usage_rollup
+from ..services.batch_api.estimates import estimate_file_cost
 from .common import json_body, state
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
@@ -96,8 +98,8 @@ async def usage(
     """Usage summed per ``group_by`` (``day``, ``model`` or ``key``) from day ``start`` to day ``end`` (UTC,
     ``YYYY-MM-DD``), filtered by ``key``, ``model``, ``kind``; a key reads its own usage, an admin anyone's."""
     st = state(request)
-    prices = st.ctx.prices or billing.PriceTable()
-    return await billing.usage_rollup(
+    prices = st.ctx.prices or PriceTable()
+    return await usage_rollup(
         st.store,
         group_by=group_by,
         start=start,
@@ -115,4 +117,4 @@ async def cost_estimate(file_id: str, request: Request, endpoint: str = "/v1/cha
     """Rows, input tokens and the estimated batch cost of a batch input file at the current prices (extension);
     output tokens are bounded by each row's ``max_tokens``, so the cost is an upper bound."""
     st = state(request)
-    return await billing.estimate_file_cost(st.store, st.ctx, file_id, endpoint)
+    return await estimate_file_cost(st.store, st.ctx, file_id, endpoint)

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 
 from ..errors import APIError, EngineUnavailableError
 from ..scheduling.admission import Priority, Slot
-from ..services.accounts import billing
+from ..services.accounts.prices import row_usage
 from ..services.inference.context import Call, ServiceContext, ServiceResult
 from ..services.inference.many import Outcome, Plan
+from ..services.inference.metering import result_model
 from ..services.inference.registry import EndpointService
 from ..store import Store
 from ..store import rows as store_rows
@@ -85,7 +86,7 @@ def result_line(custom_id: str, outcome: Outcome, endpoint: str = "") -> tuple[b
 
 def outcome_model(outcome: Outcome) -> str:
     """The model that answered a successful outcome (its ``X-miLLM-Model`` header)."""
-    return billing.result_model(outcome.result) if isinstance(outcome.result, ServiceResult) else ""
+    return result_model(outcome.result) if isinstance(outcome.result, ServiceResult) else ""
 
 
 async def one_by_one(outcomes: AsyncIterator[Outcome]) -> AsyncIterator[list[Outcome]]:
@@ -194,7 +195,7 @@ async def run_chunk(
 
     ``owner`` (the batch's key) pays for each successful row at ``prices`` (the batch's, fixed at its creation): the
     usage record is written in the transaction that records the row
-    (:func:`~miserver.services.accounts.billing.row_usage`),
+    (:func:`~miserver.services.accounts.row_usage`),
     and once a charge leaves the owner's balance at zero or below no further row or pack starts.
     """
     report = ChunkReport()
@@ -274,7 +275,7 @@ async def _record(
         for r in results:
             if not r.ok or r.line not in recorded.lines:
                 continue
-            usage = billing.row_usage(
+            usage = row_usage(
                 owner=owner,
                 prices=prices,
                 endpoint=endpoint,

@@ -25,8 +25,8 @@ from ..jobs import pruning
 from ..jobs import webhook_delivery as delivery
 from ..scheduling import policy as scheduling
 from ..scheduling.admission import Priority, Slot
-from ..services.accounts import billing
 from ..services.accounts import keys as accounts
+from ..services.accounts.balance import batch_verdict
 from ..services.inference.context import ServiceContext
 from ..services.inference.registry import SERVICES
 from ..settings import Settings
@@ -356,7 +356,7 @@ class BatchRunner:
         assert batch.owner_key_id is not None
         async with self.store.tx() as conn:
             key = await store_keys.get_key(conn, batch.owner_key_id)
-        verdict = billing.batch_verdict(key, batch, now=now(), grace_seconds=self.settings.balance_grace_seconds)
+        verdict = batch_verdict(key, batch, now=now(), grace_seconds=self.settings.balance_grace_seconds)
         if verdict.fail is not None:
             return await self._finish(batch, "failed", verdict.fail.code, errors=[verdict.fail.as_batch_error()])
         if verdict.waiting:

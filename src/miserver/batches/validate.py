@@ -24,7 +24,7 @@ from ..errors import (
 )
 from ..protocol.batches import BatchInputLine
 from ..protocol.common import check_text, find_unpaired_surrogate
-from ..services.accounts import billing
+from ..services.batch_api.estimates import estimate_input_tokens
 from ..services.batch_api.files import content_expired
 from ..services.inference.context import ServiceContext
 from ..services.inference.registry import SERVICES
@@ -283,7 +283,7 @@ class Validator:
                 summary.valid += 1
                 summary.models.add(model)
                 if quota is not None and self.ctx.engine is not None and body is not None:
-                    summary.tokens += billing.estimate_input_tokens(self.ctx.engine.tokenize, body)
+                    summary.tokens += estimate_input_tokens(self.ctx.engine.tokenize, body)
                 text = json.dumps(body, ensure_ascii=False)
                 page.append({"line": number, "custom_id": custom_id, "valid": True, "body": text, "model": model})
             if len(page) >= INSERT_PAGE:

@@ -160,10 +160,10 @@ def usage(
     Example:
       miserver usage --group-by model --start 2026-12-01
     """
-    from ..services.accounts import billing
+    from ..services.accounts.rollups import usage_rollup
 
     async def work(store: Any) -> Any:
-        return await billing.usage_rollup(
+        return await usage_rollup(
             store, group_by=group_by, start=start, end=end, key=key_id, model=model, kind=kind, currency=""
         )
 

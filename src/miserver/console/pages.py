@@ -18,12 +18,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from ..api.upload import receive_batch_upload
 from ..errors import APIError, AuthenticationError, InvalidRequestError, PermissionDeniedError
 from ..protocol.batches import BATCH_ENDPOINTS, BATCH_STATUSES, TERMINAL
-from ..services.accounts import billing
 from ..services.accounts import keys as accounts
 from ..services.accounts.keys import Principal
+from ..services.accounts.prices import PriceTable
 from ..services.batch_api import batches as batches_service
 from ..services.batch_api import files, operations
 from ..services.batch_api import job_search as console
+from ..services.batch_api.estimates import estimate_file_cost
 from ..services.inference.checks import MAX_METADATA_VALUE_CHARS
 from .app import console_state, safe_next, set_session_cookie
 from .sessions import COOKIE, SIGNIN_COOKIE, Session
@@ -62,7 +63,7 @@ def _render(request: Request, name: str, context: dict[str, Any], status_code: i
     base = {
         "principal": getattr(request.state, "principal", None),
         "csrf": _session(request).csrf if getattr(request.state, "session", None) else None,
-        "currency": (cs.app_state.ctx.prices or billing.PriceTable()).currency,
+        "currency": (cs.app_state.ctx.prices or PriceTable()).currency,
         "money": money,
         "when": when,
         "duration": duration,
@@ -302,10 +303,10 @@ async def upload(request: Request) -> Response:
 
 @router.get("/files/{file_id}/estimate", response_model=None)
 async def estimate(request: Request, file_id: str, endpoint: str = "/v1/chat/completions") -> Response:
-    """The cost estimate of a batch over an uploaded file (``services/accounts/billing.py``), with the amount
+    """The cost estimate of a batch over an uploaded file (``services/batch_api/estimates.py``), with the amount
     formatted."""
     st = console_state(request).app_state
-    body = await billing.estimate_file_cost(st.store, st.ctx, file_id, endpoint)
+    body = await estimate_file_cost(st.store, st.ctx, file_id, endpoint)
     body["estimated_cost_text"] = f"{money(int(body['estimated_cost']))} {body['currency']}"
     return JSONResponse(body)
 
@@ -430,7 +431,7 @@ async def _usage(request: Request) -> tuple[dict[str, str], console.UsageGrid]:
     if metric not in ("tokens", "cost"):
         raise InvalidRequestError(f"Invalid 'metric': {metric!r}. Use tokens or cost.", param="metric")
     st = console_state(request).app_state
-    prices = st.ctx.prices or billing.PriceTable()
+    prices = st.ctx.prices or PriceTable()
     grid = await console.usage_grid(
         st.store,
         start=start,
@@ -499,7 +500,7 @@ async def usage(request: Request) -> HTMLResponse:
     saved vs realtime for batch usage, and the day-by-model table (CSV at ``/console/usage.csv``)."""
     filters, grid = await _usage(request)
     st = console_state(request).app_state
-    prices = st.ctx.prices or billing.PriceTable()
+    prices = st.ctx.prices or PriceTable()
     batch_cost = grid.totals["cost"]
     saved = None
     if filters["kind"] == "batch":

@@ -37,9 +37,9 @@ from ...store import batches as store_batches
 from ...store import files as store_files
 from ...store.batches import BatchRecord
 from ...store.files import FileRecord
-from ..accounts import billing
 from ..accounts import keys as accounts
-from ..accounts.billing import PriceTable
+from ..accounts.prices import PriceTable
+from ..accounts.quotas import check_batch_create
 from ..inference.checks import check_metadata, decode_json
 from .eta import check_on_time
 from .files import content_expired
@@ -197,14 +197,14 @@ async def create_batch(
     Raises 400 for the Idempotency-Key, the JSON, the body (:func:`check`) and the input file
     (:func:`check_input_file`; another key's file is "no file"); 409 for an Idempotency-Key conflict; 402
     ``insufficient_quota`` for a key whose balance is used up and 429 for a key at a queue quota
-    (:func:`~miserver.services.accounts.billing.check_batch_create`). Nothing is created on error.
+    (:func:`~miserver.services.accounts.check_batch_create`). Nothing is created on error.
     """
     request = Keyed(accounts.keyed_route("batches"), check_key(form.idempotency_key), form.fingerprint())
     principal = accounts.current()
 
     async def create(conn: AsyncConnection) -> dict[str, Any]:
         req, hours = check(decode_json(form.raw), strict=form.strict, max_window_hours=max_window_hours)
-        await billing.check_batch_create(conn, principal)
+        await check_batch_create(conn, principal)
         created = now()
         record = await store_files.get_file(conn, req.input_file_id, lock=True)
         visible = record if record is not None and accounts.visible(record.owner_key_id) else None

@@ -17,8 +17,9 @@ from ...protocol.batches import BATCH_STATUSES
 from ...store import Store
 from ...store import batches as store_batches
 from ...store.batches import BatchRecord
-from ..accounts import billing
 from ..accounts import keys as accounts
+from ..accounts.prices import cost, price_from_snapshot
+from ..accounts.rollups import usage_rollup
 from .batches import batch_object, not_found
 
 #: Jobs per page of the console's list.
@@ -51,8 +52,8 @@ class JobPage:
 
 def job_cost(record: BatchRecord) -> int:
     """The cost of a batch's recorded usage at its kept batch prices (micro-units)."""
-    price = billing.price_from_snapshot(record.prices, record.model or "")
-    return billing.cost(price, record.input_tokens, record.output_tokens)
+    price = price_from_snapshot(record.prices, record.model or "")
+    return cost(price, record.input_tokens, record.output_tokens)
 
 
 def check_filters(text: str | None, status: str | None, page: int) -> None:
@@ -143,7 +144,7 @@ async def usage_grid(
     currency: str,
 ) -> UsageGrid:
     """The current caller's usage (an admin's: any key's, or ``key``'s) from ``start`` to ``end`` inclusive, per day
-    and model, through :func:`~miserver.services.accounts.billing.usage_rollup` (so the same access rules). Raises
+    and model, through :func:`~miserver.services.accounts.usage_rollup` (so the same access rules). Raises
     400 for an
     end before the start or a range over 366 days, 404 for another key's ``key`` (non-admin)."""
     if end < start:
@@ -153,7 +154,7 @@ async def usage_grid(
     days = [(start + datetime.timedelta(days=i)).isoformat() for i in range((end - start).days + 1)]
 
     async def rollup(group_by: str, name: str | None) -> list[dict[str, Any]]:
-        answer = await billing.usage_rollup(
+        answer = await usage_rollup(
             store, group_by=group_by, start=days[0], end=days[-1], key=key, model=name, kind=kind, currency=currency
         )
         data: list[dict[str, Any]] = answer["data"]

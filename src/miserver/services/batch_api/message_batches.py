@@ -45,7 +45,7 @@ from ...store import message_batches as store_message_batches
 from ...store import rows as store_rows
 from ...store.batches import BatchRecord
 from ..accounts import keys as accounts
-from ..accounts.billing import PriceTable
+from ..accounts.prices import PriceTable
 from ..inference.checks import decode_json
 from . import batches as batches_service
 from .files import content_expired

@@ -19,7 +19,7 @@ from ...scheduling.admission import AdmissionGate, Priority, Slot
 from ...store import Store
 
 if TYPE_CHECKING:
-    from ..accounts.billing import PriceTable
+    from ..accounts.prices import PriceTable
 
 
 @dataclass
@@ -120,7 +120,7 @@ class ServiceContext:
     store: Store | None = None
     #: the upstream engines and their pools in gateway mode (None: no upstream is configured)
     gateway: Gateway | None = None
-    #: the price table (``services/accounts/billing.py``; None: everything free)
+    #: the price table (``services/accounts/prices.py``; None: everything free)
     prices: PriceTable | None = None
     weights_torn: bool = False
     resident_origin: str | None = None

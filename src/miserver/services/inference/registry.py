@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..accounts.billing import billed
 from . import chat, completions, embeddings, messages, probes, responses
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 from .many import Outcome, Plan, run_each
+from .metering import billed
 
 
 @dataclass(frozen=True)
