@@ -6,9 +6,10 @@ from __future__ import annotations
 import hashlib
 from importlib import resources
 
-from miserver.console.app import CSP, safe_next
+from miserver.console.app import CSP
 from miserver.console.pages import chart, money, window_choices, window_label
 from miserver.console.sessions import FailureLimit, Sessions
+from miserver.console.state import safe_next
 from miserver.services.batch_api.job_search import UsageGrid, realtime_equivalent
 
 

@@ -1,5 +1,6 @@
 """The console as its own ASGI application, mounted at ``/console`` by ``create_app``: who the browser is (the
-session cookie, :class:`ConsoleAuth`), the security headers, and the error pages. The pages are in ``pages.py``.
+session cookie, :class:`ConsoleAuth`), the security headers, and the error pages. The pages are in ``pages.py``,
+what both share in ``state.py``.
 
 A request without a live session is sent to the sign-in page, except on a server with no API key, where the
 console opens at once as the single user (a session is still made, for its CSRF token).
@@ -7,81 +8,23 @@ console opens at once as the single user (a session is still made, for its CSRF 
 
 from __future__ import annotations
 
-import contextlib
-from http.cookies import SimpleCookie
 from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from fastapi.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api.common import AppState
-from ..errors import APIError, AuthenticationError, NotFoundError
+from ..errors import APIError, AuthenticationError
 from ..services.accounts import keys as accounts
-from .sessions import COOKIE, FailureLimit, Session, Sessions
+from . import pages
+from .sessions import COOKIE, Session
+from .state import ConsoleState, set_session_cookie
 
 #: The Content-Security-Policy of every console response: nothing but this server, no inline script or style.
 CSP = "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'self'"
 #: Paths (below ``/console``) served without a session.
 OPEN_PATHS = ("/signin", "/static/")
-
-
-class ConsoleState:
-    """What the console keeps: its sessions, the wrong-key limit, the templates, and the parent application (whose
-    ``state.miserver`` holds the store, settings and services' context)."""
-
-    def __init__(self, parent: FastAPI) -> None:
-        self.parent = parent
-        self.sessions = Sessions()
-        self.failures = FailureLimit()
-        folder = resources.files("miserver.console") / "templates"
-        self.templates = Jinja2Templates(directory=str(folder))
-
-    @property
-    def app_state(self) -> AppState:
-        st = self.parent.state.miserver
-        assert isinstance(st, AppState)
-        return st
-
-    async def principal(self, session: Session) -> accounts.Principal | None:
-        """Who the session acts as now: its key (re-read: None once revoked or deleted), or the single user while
-        the server has no key (None once a key exists)."""
-        store = self.app_state.store
-        if session.key_id is None:
-            try:
-                return await accounts.principal_for(store, None)
-            except AuthenticationError:
-                return None
-        try:
-            record = await accounts.get_key(store, session.key_id)
-        except NotFoundError:
-            return None
-        if not record.active:
-            return None
-        return accounts.Principal(key_id=record.id, name=record.name, admin=record.admin, balance=record.balance)
-
-    async def from_cookie_header(self, header: str) -> accounts.Principal | None:
-        """The principal of the session named in a ``Cookie`` header (Socket.IO connections); None without one."""
-        cookie: SimpleCookie = SimpleCookie()
-        with contextlib.suppress(Exception):
-            cookie.load(header)
-        morsel = cookie.get(COOKIE)
-        session = self.sessions.get(morsel.value if morsel is not None else None)
-        return await self.principal(session) if session is not None else None
-
-
-def console_state(request: Request) -> ConsoleState:
-    """The :class:`ConsoleState` of the console application serving ``request``."""
-    cs = request.app.state.console
-    assert isinstance(cs, ConsoleState)
-    return cs
-
-
-def set_session_cookie(response: Response, session: Session, secure: bool) -> None:
-    """Put ``session`` in its HttpOnly, SameSite=Strict cookie scoped to ``/console`` (and ``/socket.io``)."""
-    response.set_cookie(COOKIE, session.token, httponly=True, samesite="strict", secure=secure, path="/")
 
 
 class ConsoleAuth:
@@ -170,17 +113,9 @@ def _quote(text: str) -> str:
     return quote(text, safe="/")
 
 
-def safe_next(target: str | None) -> str:
-    """A redirect target inside the console (anything else, such as another host, becomes the job list)."""
-    if target and target.startswith("/console") and not target.startswith("//") and "\\" not in target:
-        return target
-    return "/console/"
-
-
 def create_console(parent: FastAPI) -> FastAPI:
     """The console application for ``parent`` (the miServer app whose lifespan sets ``state.miserver``). Mount it
     at ``/console``; :meth:`ConsoleState.from_cookie_header` serves the Socket.IO authentication."""
-    from . import pages
 
     console = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     cs = ConsoleState(parent)

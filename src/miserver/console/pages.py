@@ -26,8 +26,8 @@ from ..services.batch_api import files, operations
 from ..services.batch_api import job_search as console
 from ..services.batch_api.estimates import estimate_file_cost
 from ..services.inference.checks import MAX_METADATA_VALUE_CHARS
-from .app import console_state, safe_next, set_session_cookie
 from .sessions import COOKIE, SIGNIN_COOKIE, Session
+from .state import console_state, safe_next, set_session_cookie
 
 router = APIRouter()
 
