@@ -154,10 +154,12 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             store=runtime.store,
             ctx=runtime.ctx,
             runner=runtime.runner,
+            jobs=runtime.jobs,
             residency=runtime.residency,
             started_at=now(),
         )
         task = asyncio.create_task(runtime.runner.run(), name="miserver-batch-runner")
+        runtime.jobs.start()  # file pruning and webhook delivery, beside the runner
         events.start()
         sampler = asyncio.create_task(metrics.sample_busy(lambda: runtime.ctx.gate), name="miserver-metrics-sampler")
         engine = runtime.ctx.engine
@@ -174,6 +176,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 await sampler
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await runtime.jobs.stop()
             await events.stop()
             await runtime.close()
 

@@ -16,6 +16,7 @@ from .batches.runner import BatchRunner
 from .clock import now
 from .engines.base import Engine, GenerationRequest, PoolRequest
 from .engines.upstream import Gateway, KnownUpstream, RetryPolicy, ServedModel, Timeouts, start_gateway
+from .jobs.background import BackgroundJobs
 from .scheduling.admission import AdmissionGate
 from .services.accounts.prices import PriceTable
 from .services.inference.context import ServiceContext
@@ -121,6 +122,7 @@ class Runtime:
     ctx: ServiceContext
     residency: Residency
     runner: BatchRunner
+    jobs: BackgroundJobs
     weights: WeightWrites
     checkpoints: Checkpoints
     catalogue: Catalogue
@@ -215,6 +217,7 @@ async def start_runtime(
         ctx=ctx,
         residency=residency,
         runner=runner,
+        jobs=BackgroundJobs(store, settings, worker_id=worker_id),
         weights=weights,
         checkpoints=checkpoints,
         catalogue=catalogue,

@@ -105,14 +105,14 @@ async def test_expired_file_keeps_its_record_and_pruning_spares_files_in_use(
     assert (await api.get(f"/v1/files/{expiring['id']}")).status_code == 200  # the record stays
     assert (await api.get(f"/v1/files/{default['id']}/content")).status_code == 200
 
-    pruned = await api.app.state.miserver.runner.prune()  # type: ignore[attr-defined]
+    pruned = await api.app.state.miserver.jobs.prune()  # type: ignore[attr-defined]
     assert expiring["id"] in pruned and needed["id"] not in pruned and default["id"] not in pruned
 
     await set_weights_torn(database_url, False)
     done = await poll(api, waiting["id"], lambda b: b["status"] == "completed")
     assert done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     # finished now: its input file may go
-    assert needed["id"] in await api.app.state.miserver.runner.prune()  # type: ignore[attr-defined]
+    assert needed["id"] in await api.app.state.miserver.jobs.prune()  # type: ignore[attr-defined]
 
 
 async def test_waiting_batch_expires_with_batch_expired_lines(

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import InvalidRequestError
+from ..jobs.background import BackgroundJobs
 from ..model_lease import is_token
 from ..services.inference.checks import decode_json
 from ..services.inference.context import ServiceContext, ServiceResult, StreamResult
@@ -30,13 +31,14 @@ class RunnerHandle(Protocol):
 @dataclass
 class AppState:
     """Everything the routes reach through ``request.app.state.miserver``: settings, the store (units of work
-    only: routes call services, services call the store), the services' context, the runner handle, the model
-    residency manager, and the start time (Unix seconds)."""
+    only: routes call services, services call the store), the services' context, the runner handle, the background
+    jobs, the model residency manager, and the start time (Unix seconds)."""
 
     settings: Settings
     store: Store
     ctx: ServiceContext
     runner: RunnerHandle
+    jobs: BackgroundJobs
     residency: Residency
     started_at: int = 0
 

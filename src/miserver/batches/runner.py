@@ -7,7 +7,7 @@ admission slot at batch priority and run the chunk through the one row loop, :fu
 run_chunk`), a ``finalizing``, ``cancelling`` or expired batch its files (:func:`~miserver.batches.output.finish`).
 Between chunks it sees cancels, expiry and new batches. Every write is a guarded statement of ``store/`` that raises
 when the batch moved on, so nothing a pass does can rest on a stale read. File pruning runs as its own task
-(:mod:`miserver.jobs.pruning`).
+(:mod:`miserver.jobs`, started by the runtime).
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from ..clock import now, now_ms
-from ..errors import APIError
-from ..jobs import pruning
-from ..jobs import webhook_delivery as delivery
 from ..scheduling import policy as scheduling
 from ..scheduling.admission import Priority, Slot
 from ..services.accounts import keys as accounts
@@ -40,6 +37,7 @@ from ..store import rows as store_rows
 from ..store.batches import BatchRecord, StaleStatus
 from . import chunks, output, packing
 from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease, weights_block
+from .run_state import RunState, finalize_if_recorded
 from .upstream_runs import UpstreamRuns
 from .validate import BatchFailure, Validator
 
@@ -76,17 +74,17 @@ class BatchRunner:
         self.settings = settings
         self.worker_id = worker_id or f"worker-{secrets.token_hex(4)}"
         self.on_change = on_change or (lambda _id: None)
-        self.claim_ttl_ms = int(settings.batch_claim_ttl_seconds * 1000)
         self.validator = Validator(store, ctx, settings, self.worker_id)
         self._wake = asyncio.Event()
         self._kick = asyncio.Event()
-        self._stopping = False
+        #: What this runner shares with its upstream chunks: claims, heartbeats, waiting reasons, the stop flag.
+        self.state = RunState(store, ctx, settings, self.worker_id, self.on_change, self.wake)
         #: The batch whose chunk this process is running now (the quick pass leaves it to the chunk loop).
         self._chunk_batch: str | None = None
         #: Validation tasks running in this process, by batch id (a finished task removes itself).
         self._validations: dict[str, asyncio.Task[None]] = {}
         #: Chunks of batches whose rows go to upstream pools (gateway mode), run as tasks beside each other.
-        self.upstream = UpstreamRuns(self)
+        self.upstream = UpstreamRuns(self.state)
         #: The scheduling policy's inputs (issue 14): batch hours, the deadline margin, rows served per owner, the
         #: clock (Unix seconds; miServer's injectable clock), and when interactive requests were last admitted.
         self.hours = scheduling.BatchHours.parse(settings.batch_hours, settings.batch_hours_timezone)
@@ -105,27 +103,24 @@ class BatchRunner:
         self._wake.set()
         self._kick.set()
 
+    @property
+    def _stopping(self) -> bool:
+        return self.state.stopping
+
     def stop(self) -> None:
         """Graceful stop: the current row finishes and is recorded, then the loop returns."""
-        self._stopping = True
+        self.state.stopping = True
         self._wake.set()
         self._halt.set()
 
     async def run(self) -> None:
-        """Release this process's stale claims, then advance batches until :meth:`stop`; prunes files meanwhile."""
+        """Release this process's stale claims, then advance batches until :meth:`stop`."""
         async with self.store.tx() as conn:
             if self.store.is_sqlite:
                 await store_rows.release_all_claims(conn)
             else:
                 await store_rows.release_claims_of(conn, self.worker_id)
-        pruner = asyncio.create_task(
-            pruning.prune_forever(self.store, self.settings.file_prune_interval_seconds), name="miserver-file-pruning"
-        )
         quick = asyncio.create_task(self._quick_passes(), name="miserver-batch-quick-pass")
-        deliver = asyncio.create_task(
-            delivery.deliver_forever(self.store, self.settings, worker=self.worker_id, stopping=lambda: self._stopping),
-            name="miserver-webhook-delivery",
-        )
         try:
             while not self._stopping:
                 self._wake.clear()  # before the step: a wake during the step (a chunk task ended) is kept
@@ -135,14 +130,10 @@ class BatchRunner:
                         await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_seconds)
         finally:
             await self.upstream.drain()
-            tasks = [pruner, quick, deliver, *self._validations.values()]
+            tasks = [quick, *self._validations.values()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def prune(self) -> list[str]:
-        """Prune expired files now (DESIGN §6); returns the file ids (:func:`~miserver.jobs.pruning.prune_once`)."""
-        return await pruning.prune_once(self.store)
 
     async def step(self) -> bool:
         """One pass over the active batches; True when it ran or finished something.
@@ -208,7 +199,7 @@ class BatchRunner:
         )
         await self._store_estimates(running, decision, pending)
         for batch_id, reason in decision.waiting.items():
-            await self._set_waiting(by_id[batch_id], reason, None)
+            await self.state.set_waiting(by_id[batch_id], reason, None)
         # batches whose rows go to upstream pools do not share the resident engine: each takes its step
         upstream = [b for b in decision.order if self.upstream.serves(by_id[b])]
         busy = False
@@ -222,7 +213,7 @@ class BatchRunner:
                 candidate = next(c for c in candidates if c.id == batch_id)
                 for other in decision.order:
                     if other != batch_id and other in decision.queued:
-                        await self._set_waiting(by_id[other], "queued", None)
+                        await self.state.set_waiting(by_id[other], "queued", None)
                 self.fair.charge(candidate, self._last_chunk_rows)
                 await self._yield_share()
                 return True
@@ -327,7 +318,7 @@ class BatchRunner:
         if now() >= batch.expires_at:
             return await self._finish(batch, "expired", "batch_expired")
         if batch.paused_at is not None:
-            await self._set_waiting(batch, "paused", None)
+            await self.state.set_waiting(batch, "paused", None)
             return False
         if batch.owner_key_id is not None:
             held = await self._account_hold(batch)
@@ -345,7 +336,7 @@ class BatchRunner:
             take_over=take_over,
         )
         if ready.waiting_reason is not None:
-            await self._set_waiting(batch, ready.waiting_reason, None)
+            await self.state.set_waiting(batch, ready.waiting_reason, None)
             return False
         return await self._run_chunk(batch, ready)
 
@@ -377,14 +368,6 @@ class BatchRunner:
                 await store_batches.set_fields(conn, batch.id, ("in_progress",), balance_waiting_since=None)
         return None
 
-    async def _set_waiting(self, batch: BatchRecord, reason: str | None, holder: str | None) -> None:
-        if (batch.waiting_reason, batch.lease_holder) != (reason, holder):
-            async with self.store.tx() as conn:
-                await store_batches.set_fields(
-                    conn, batch.id, ("in_progress",), waiting_reason=reason, lease_holder=holder
-                )
-            self.on_change(batch.id)
-
     # -- validation -------------------------------------------------------------------------------------------
 
     def _start_validation(self, batch: BatchRecord) -> None:
@@ -413,7 +396,7 @@ class BatchRunner:
         """``validating`` -> ``failed`` with ``error``, while this process still holds the validation claim."""
         async with self.store.tx() as conn:
             status = await store_batches.hold_validation(
-                conn, batch_id, worker=self.worker_id, now_ms=now_ms(), ttl_ms=self.claim_ttl_ms
+                conn, batch_id, worker=self.worker_id, now_ms=now_ms(), ttl_ms=self.state.claim_ttl_ms
             )
             if status != "validating":  # cancelled meanwhile: the cancel wins, the runner finishes it as cancelled
                 await store_batches.set_fields(
@@ -443,29 +426,26 @@ class BatchRunner:
                 worker=self.worker_id,
                 token=token,
                 now_ms=now_ms(),
-                ttl_ms=self.claim_ttl_ms,
+                ttl_ms=self.state.claim_ttl_ms,
                 skip_locked=self.store.skip_locked,
             )
-            if not claimed:
-                if await store_rows.count_pending(conn, batch.id) > 0:
-                    return False  # another worker holds the remaining rows
-                # every row is recorded: the guard re-checks that in the statement itself
-                await store_batches.transition(conn, batch.id, ("in_progress",), "finalizing", now())
+            if not claimed and not await finalize_if_recorded(conn, batch.id):
+                return False  # another worker holds the remaining rows
         if not claimed:
             self.on_change(batch.id)
             return True
         try:
-            async with self.ctx.gate.hold(Priority.BATCH) as slot, self._heartbeat(batch.id, token, ready.lease):
+            async with self.ctx.gate.hold(Priority.BATCH) as slot, self.state.heartbeat(batch.id, token, ready.lease):
                 if not self._model_resident(batch):
                     # the model was unloaded or swapped while this chunk waited for the slot: run nothing
-                    await self._set_waiting(batch, "model_not_resident", None)
+                    await self.state.set_waiting(batch, "model_not_resident", None)
                     return True
                 blocked = weights_block(self.ctx, batch)
                 if blocked is not None:
                     # a weight write or commit happened while this chunk waited for the slot: run nothing
-                    await self._set_waiting(batch, blocked, None)
+                    await self.state.set_waiting(batch, blocked, None)
                     return True
-                await self._set_waiting(batch, None, ready.holder)
+                await self.state.set_waiting(batch, None, ready.holder)
                 started = time.monotonic()
                 with accounts.acting_as(accounts.owner_principal(batch.owner_key_id)):
                     report = await self._chunk(batch, token, claimed, slot, ready)
@@ -527,33 +507,6 @@ class BatchRunner:
     def _model_resident(self, batch: BatchRecord) -> bool:
         engine = self.ctx.engine
         return engine is not None and not self.ctx.loading and engine.info.model_id == batch.model
-
-    @contextlib.asynccontextmanager
-    async def _heartbeat(self, batch_id: str, token: str, lease: str | None) -> AsyncIterator[None]:
-        """Every third of the claim TTL while the chunk runs (even within a long row): extend the chunk's claim, and
-        renew the lease the batch runs under, so that a chunk longer than the lease's TTL (a slow or loaded machine)
-        does not let the lease lapse and another batch take the model between two of this batch's chunks."""
-
-        async def extend() -> None:
-            async with self.store.tx() as conn:
-                until = now_ms() + self.claim_ttl_ms
-                await store_rows.extend_claim(conn, batch_id=batch_id, token=token, until_ms=until)
-
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(self.claim_ttl_ms / 3000)
-                await self.store.finish(extend())  # the chunk's end cancels the beat; an extend under way completes
-                if lease is not None:
-                    with contextlib.suppress(APIError):  # released or taken meanwhile: the next pass decides
-                        self.ctx.leases.renew(lease)
-
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     # -- finishing --------------------------------------------------------------------------------------------
 

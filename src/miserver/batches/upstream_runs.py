@@ -21,7 +21,6 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
 
 from ..clock import now, now_ms
 from ..services.inference.registry import SERVICES
@@ -29,9 +28,7 @@ from ..store import batches as store_batches
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord
 from . import chunks
-
-if TYPE_CHECKING:
-    from .runner import BatchRunner
+from .run_state import RunState, finalize_if_recorded
 
 log = logging.getLogger("miserver.batches")
 
@@ -47,8 +44,8 @@ UNAVAILABLE = "upstream_unavailable"
 class UpstreamRuns:
     """The upstream chunks of one runner: which batches they serve, and their tasks (each chunk serves one pool)."""
 
-    def __init__(self, runner: BatchRunner) -> None:
-        self.runner = runner
+    def __init__(self, state: RunState) -> None:
+        self.state = state
         #: the running chunks of each batch, each with the model (pool) whose rows it runs
         self._tasks: dict[str, dict[asyncio.Task[None], str]] = {}
         #: (batch, model): no claim before this monotonic time (a chunk found the pool down)
@@ -59,7 +56,7 @@ class UpstreamRuns:
     def serves(self, batch: BatchRecord) -> bool:
         """Whether ``batch`` runs on upstream pools: its model is an upstream pool's (not the resident one), or
         unknown while some upstream is down (it may serve it once it answers)."""
-        ctx = self.runner.ctx
+        ctx = self.state.ctx
         if ctx.gateway is None or batch.model is None:
             return False
         if ctx.upstream_pool(batch.model) is not None:
@@ -87,7 +84,7 @@ class UpstreamRuns:
     async def _models_of(self, batch: BatchRecord) -> list[str]:
         models = self._models.get(batch.id)
         if models is None:
-            async with self.runner.store.read() as conn:
+            async with self.state.store.read() as conn:
                 models = await store_rows.row_models(conn, batch.id)
             self._models[batch.id] = models = models or ([batch.model] if batch.model else [])
         return models
@@ -99,52 +96,47 @@ class UpstreamRuns:
         to ``finalizing`` when every row is recorded; mark it ``upstream_unavailable`` only when no row of it runs
         here and none can be claimed (every pending row is of a pool that is down). True when it started or
         finished something."""
-        runner = self.runner
+        state = self.state
         clock = time.monotonic()
         ready: list[str] = []  # models whose pool is live and was not just found down by a chunk
         started = False
         for model in await self._models_of(batch):
-            pool = runner.ctx.upstream_pool(model)
+            pool = state.ctx.upstream_pool(model)
             if pool is None or not pool.live or clock < self._not_before.get((batch.id, model), 0.0):
                 continue
             ready.append(model)
             if sum(1 for m in self._tasks.get(batch.id, {}).values() if m == model) >= CHUNKS_PER_POOL:
                 continue
-            limit = max(runner.settings.batch_chunk_rows, ROWS_PER_SLOT * pool.gate.slots)
+            limit = max(state.settings.batch_chunk_rows, ROWS_PER_SLOT * pool.gate.slots)
             started |= await self._start(batch, model, limit)
         if self.running(batch.id):
-            await runner._set_waiting(batch, None, None)
+            await state.set_waiting(batch, None, None)
             return started
-        async with runner.store.tx() as conn:
-            if await store_rows.count_pending(conn, batch.id) == 0:
-                # every row is recorded: the guard re-checks that in the statement itself
-                await store_batches.transition(conn, batch.id, ("in_progress",), "finalizing", now())
-                finished = True
-            else:
-                finished = False
-                runnable = bool(ready) and await store_rows.count_pending(conn, batch.id, models=ready) > 0
+        async with state.store.tx() as conn:
+            finished = await finalize_if_recorded(conn, batch.id)
+            runnable = not finished and bool(ready) and await store_rows.count_pending(conn, batch.id, models=ready) > 0
         if finished:
-            runner.on_change(batch.id)
+            state.on_change(batch.id)
             return True
         if not runnable:
-            await runner._set_waiting(batch, UNAVAILABLE, None)
+            await state.set_waiting(batch, UNAVAILABLE, None)
         return False  # else its runnable rows are claimed by another worker
 
     async def _start(self, batch: BatchRecord, model: str, limit: int) -> bool:
         """Claim up to ``limit`` rows of ``batch`` naming ``model`` and run them as a chunk task; False when none
         was claimable."""
-        runner = self.runner
+        state = self.state
         token = secrets.token_hex(16)
-        async with runner.store.tx() as conn:
+        async with state.store.tx() as conn:
             claimed = await store_rows.claim(
                 conn,
                 batch_id=batch.id,
                 limit=limit,
-                worker=runner.worker_id,
+                worker=state.worker_id,
                 token=token,
                 now_ms=now_ms(),
-                ttl_ms=runner.claim_ttl_ms,
-                skip_locked=runner.store.skip_locked,
+                ttl_ms=state.claim_ttl_ms,
+                skip_locked=state.store.skip_locked,
                 models=[model],
             )
         if not claimed:
@@ -154,12 +146,12 @@ class UpstreamRuns:
         return True
 
     async def _run(self, batch: BatchRecord, model: str, token: str, claimed: list[store_rows.ClaimedRow]) -> None:
-        runner = self.runner
+        state = self.state
         try:
-            async with runner._heartbeat(batch.id, token, None):
+            async with state.heartbeat(batch.id, token, None):
                 report = await chunks.run_chunk(
-                    ctx=runner.ctx,
-                    store=runner.store,
+                    ctx=state.ctx,
+                    store=state.store,
                     service=SERVICES[batch.endpoint],
                     endpoint=batch.endpoint,
                     batch_id=batch.id,
@@ -169,8 +161,8 @@ class UpstreamRuns:
                     slot=None,
                     lease=None,
                     time_limit=float("inf"),  # rows pass the pool gates one by one: nothing is held for long
-                    stopping=lambda: runner._stopping or now() >= batch.expires_at,
-                    on_change=runner.on_change,
+                    stopping=lambda: state.stopping or now() >= batch.expires_at,
+                    on_change=state.on_change,
                     deadline=batch.expires_at,
                     yield_to_interactive=False,
                     owner=batch.owner_key_id,
@@ -180,17 +172,17 @@ class UpstreamRuns:
             if report.engine_unavailable:
                 # the pool went down under the chunk: its rows wait a poll before they are claimed again (the next
                 # step marks the batch upstream_unavailable when no other pool's rows can run)
-                self._not_before[(batch.id, model)] = time.monotonic() + runner.settings.batch_poll_seconds
+                self._not_before[(batch.id, model)] = time.monotonic() + state.settings.batch_poll_seconds
         except store_batches.StaleStatus as exc:
             log.info("%s", exc)
         except Exception:
             log.exception("batch %s: upstream chunk failed", batch.id)
         finally:
             try:
-                async with runner.store.tx() as conn:
+                async with state.store.tx() as conn:
                     await store_rows.release_claim(conn, batch_id=batch.id, token=token)
             finally:
-                runner.wake()
+                state.wake()
 
     async def drain(self) -> None:
         """Wait for every running chunk (at a graceful stop they start nothing new and finish what is in flight)."""

@@ -194,9 +194,11 @@ def worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runtime.runner.stop)
         logging.getLogger("miserver").info("worker %s ready", runtime.runner.worker_id)
+        runtime.jobs.start()  # file pruning and webhook delivery, beside the runner
         try:
             await runtime.runner.run()
         finally:
+            await runtime.jobs.stop()
             await runtime.close()
 
     try:
