@@ -229,7 +229,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(operations_api.router)
     app.include_router(model_life_api.router)
     app.include_router(accounts_api.router)
-    console = create_console(app)  # the web console (issue 16): its own session-cookie sign-in, not in the schema
+    console = create_console(app)  # the web console: its own session-cookie sign-in, not in the schema
     app.mount("/console", console)
     events.cookie_principal = console.state.console.from_cookie_header
     install_openapi(app)  # /openapi.json (built at its first request, from every route) and the offline /docs

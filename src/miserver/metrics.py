@@ -1,4 +1,4 @@
-"""Prometheus metrics (``GET /metrics``, issue 14), with the ``prometheus-client`` library, in a registry per app.
+"""Prometheus metrics (``GET /metrics``), with the ``prometheus-client`` library, in a registry per app.
 
 Series (all prefixed ``miserver_``):
 

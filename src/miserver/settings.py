@@ -138,7 +138,7 @@ class Settings(BaseSettings):
         description="how often the runner deletes the bytes of expired files",
     )
     file_default_expiry_seconds: int = Field(2_592_000, validation_alias=_env("FILE_DEFAULT_EXPIRY_SECONDS"))
-    # -- gateway mode: upstream engines (issue 12) --
+    # -- gateway mode: upstream engines --
     upstreams: str = Field(
         "",
         validation_alias=_env("MISERVER_UPSTREAMS"),
@@ -195,7 +195,7 @@ class Settings(BaseSettings):
         gt=0,
         description="how often each upstream's GET /v1/models is probed (discovery and liveness)",
     )
-    # accounts (issue 13)
+    # accounts
     prices_file: Path | None = Field(
         None,
         validation_alias=_env("MISERVER_PRICES_FILE"),
@@ -215,7 +215,7 @@ class Settings(BaseSettings):
         description="let a server bound to a non-loopback address start with no API key in the database (open to "
         "anyone who reaches the port)",
     )
-    # -- scheduling and operations (issue 14) --
+    # -- scheduling and operations --
     batch_hours: str | None = Field(
         None,
         validation_alias=_env("MISERVER_BATCH_HOURS"),

@@ -1,4 +1,4 @@
-"""Accounts routes (issue 13): API keys (admin only), usage rollups, the caller's own key, and a batch input file's
+"""Accounts routes: API keys (admin only), usage rollups, the caller's own key, and a batch input file's
 cost estimate. Thin wrappers over ``services/accounts/`` and ``services/batch_api/estimates.py``."""
 
 from __future__ import annotations

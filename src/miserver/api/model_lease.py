@@ -21,7 +21,7 @@ router = APIRouter()
 @router.get("/api/lease")
 @documented(ok=LeaseObject)
 async def current_lease(request: Request) -> dict[str, Any]:
-    """The live lease, or ``{"lease": null}``. Its token is shown to admin keys only (accounts, issue 13): another key
+    """The live lease, or ``{"lease": null}``. Its token is shown to admin keys only (accounts): another key
     sees the holder and the expiry, never the token that would let it renew or release another's lease."""
     live = state(request).ctx.leases.current()
     return accounts.shown_lease(live.as_json()) if live else {"lease": None, "holder": None, "expires_at": None}

@@ -45,7 +45,7 @@ async def catalogue(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": await state(request).residency.catalogue()}
 
 
-@router.post("/api/models/load", dependencies=[Depends(require_admin)])  # admin keys only (issue 13)
+@router.post("/api/models/load", dependencies=[Depends(require_admin)])  # admin keys only
 @documented(body=ModelLoadRequest, ok=ModelLoaded, errors=(400, 409, 500), headers=("strict", "lease"))
 async def load(request: Request) -> dict[str, Any]:
     """``{"model": id or path}``: make it the resident model (needs the lease when one is held)."""
@@ -57,7 +57,7 @@ async def load(request: Request) -> dict[str, Any]:
     return {"id": engine.info.model_id, "resident": True, "weights_revision": engine.info.weights_revision}
 
 
-@router.post("/api/models/unload", dependencies=[Depends(require_admin)])  # admin keys only (issue 13)
+@router.post("/api/models/unload", dependencies=[Depends(require_admin)])  # admin keys only
 @documented(ok=ModelUnloaded, errors=CHANGE_ERRORS, headers=("lease",))
 async def unload(request: Request) -> dict[str, Any]:
     """Free the resident model (needs the lease when one is held). Batches wait with ``model_not_resident``."""

@@ -1,4 +1,4 @@
-"""Routes of batch operations (issue 14): pause, resume, retry, delete and results of a batch (extensions of
+"""Routes of batch operations: pause, resume, retry, delete and results of a batch (extensions of
 ``/v1/batches``), webhook endpoints (``/api/webhooks``) and ``/metrics``. The rules are in
 ``services/batch_api/operations.py``,
 ``services/batch_api/webhooks.py`` and ``metrics.py``."""

@@ -85,7 +85,7 @@ class BatchRunner:
         self._validations: dict[str, asyncio.Task[None]] = {}
         #: Chunks of batches whose rows go to upstream pools (gateway mode), run as tasks beside each other.
         self.upstream = UpstreamRuns(self.state)
-        #: The scheduling policy's inputs (issue 14): batch hours, the deadline margin, rows served per owner, the
+        #: The scheduling policy's inputs: batch hours, the deadline margin, rows served per owner, the
         #: clock (Unix seconds; miServer's injectable clock), and when interactive requests were last admitted.
         self.hours = scheduling.BatchHours.parse(settings.batch_hours, settings.batch_hours_timezone)
         self.margin = scheduling.Margin(fraction=settings.batch_deadline_margin)
@@ -166,7 +166,7 @@ class BatchRunner:
                 busy = True
         return busy
 
-    # -- scheduling (issue 14) --------------------------------------------------------------------------------
+    # -- scheduling --------------------------------------------------------------------------------
 
     async def _run_next(self, running: list[BatchRecord]) -> bool:
         """Plan the running batches (:func:`~miserver.scheduling.policy.plan`), store their ETAs and waiting
@@ -341,7 +341,7 @@ class BatchRunner:
         return await self._run_chunk(batch, ready)
 
     async def _account_hold(self, batch: BatchRecord) -> bool | None:
-        """The owner key's say before each chunk (issue 13), from a fresh read of the key: None to go on; else the
+        """The owner key's say before each chunk, from a fresh read of the key: None to go on; else the
         step's answer after ending the batch ``failed`` (key revoked; balance used up past the grace: unrun rows
         become ``key_revoked``/``insufficient_quota`` error lines, uncharged) or marking it ``insufficient_balance``."""
         assert batch.owner_key_id is not None

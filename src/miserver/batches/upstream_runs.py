@@ -1,4 +1,4 @@
-"""Batches whose rows go to upstream pools (gateway mode, issue 12): chunks that run beside each other.
+"""Batches whose rows go to upstream pools (gateway mode): chunks that run beside each other.
 
 A batch whose model is served by an upstream pool (a multi-model file whose models are all upstream ones, too) takes
 no resident slot, no lease and no residency: its rows pass the pool gates one by one (interactive first there).

@@ -68,7 +68,7 @@ class ValidationSummary:
     invalid: int = 0
     models: set[str] = field(default_factory=set)
     errors: list[dict[str, Any]] = field(default_factory=list)
-    #: input tokens of the valid lines, counted only when the owner key has an enqueued-token quota (issue 13)
+    #: input tokens of the valid lines, counted only when the owner key has an enqueued-token quota
     tokens: int = 0
     #: numbers of the lines that name a model nobody serves (``model_not_found``); in gateway mode they fail the batch
     unserved: list[int] = field(default_factory=list)
@@ -333,8 +333,8 @@ class Validator:
                 await store_batches.set_fields(conn, batch.id, (status,), errors=summary.errors or None)
                 return
             # Gateway mode: models served by an upstream pool may be several; the one-model, lease and residency
-            # rules are the resident model's. A line naming a model nobody serves fails the whole batch there
-            # (issue 12), listed as its own line error; with no upstream it fails alone (DESIGN §4).
+            # rules are the resident model's. A line naming a model nobody serves fails the whole batch there,
+            # listed as its own line error; with no upstream it fails alone (DESIGN §4).
             resident = sorted(m for m in summary.models if self.ctx.upstream_pool(m) is None)
             unserved = self.ctx.gateway is not None and bool(summary.unserved)
             if summary.valid and len(resident) == 1 and foreign is not None and not unserved:

@@ -1,4 +1,4 @@
-"""``miserver keys`` and ``miserver usage`` (issue 13): API keys and usage, straight on the database."""
+"""``miserver keys`` and ``miserver usage``: API keys and usage, straight on the database."""
 
 from __future__ import annotations
 

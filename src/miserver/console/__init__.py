@@ -1,4 +1,4 @@
-"""The web console at ``/console`` (issue 16): server-rendered pages (Jinja2) over the services, with a small
+"""The web console at ``/console``: server-rendered pages (Jinja2) over the services, with a small
 script of our own for live progress (Socket.IO ``batch:progress``) and the upload. Nothing is loaded from any
 other host (``Content-Security-Policy: default-src 'self'``)."""
 

@@ -1,4 +1,4 @@
-"""Webhook delivery (issue 14): a background task of the runner that sends the outbox's due events.
+"""Webhook delivery: a background job (:mod:`miserver.jobs.background`) that sends the outbox's due events.
 
 Each event is POSTed as JSON to its endpoint, signed as Standard Webhooks says (the ``standardwebhooks`` library:
 ``webhook-id`` is the outbox row's stable id, ``webhook-timestamp`` the attempt's Unix seconds, ``webhook-signature``

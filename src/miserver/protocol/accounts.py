@@ -1,4 +1,4 @@
-"""Pydantic models of the accounts API (issue 13): API keys (``/api/keys``, admin only), the caller's own key
+"""Pydantic models of the accounts API: API keys (``/api/keys``, admin only), the caller's own key
 (``/api/account``), usage rollups (``/api/usage``) and a batch input file's cost estimate
 (``/v1/files/{id}/cost_estimate``). Money is in micro-units of the price table's currency (integers)."""
 

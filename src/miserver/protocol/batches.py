@@ -171,7 +171,7 @@ class BatchExtension(ResponseModel):
     description: str | None = None
     #: the weights revision the batch is pinned to (``weights_revision`` at create), None when not pinned
     weights_revision: str | None = None
-    #: scheduling (issue 14): the batch's priority, whether it is paused (never once it has ended), and its estimated
+    #: scheduling: the batch's priority, whether it is paused (never once it has ended), and its estimated
     #: completion time (Unix seconds; None until a rate of its model and endpoint is measured, and once it has ended)
     priority: int = 0
     paused: bool = False

@@ -1,4 +1,4 @@
-"""Pydantic models of the batch operations' answers (issue 14): a deleted batch, the webhook endpoints' list and a
+"""Pydantic models of the batch operations' answers: a deleted batch, the webhook endpoints' list and a
 deleted endpoint (the create body and the endpoint object are in ``protocol/webhooks.py``)."""
 
 from __future__ import annotations

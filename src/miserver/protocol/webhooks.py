@@ -1,4 +1,4 @@
-"""Pydantic models of the webhooks API (``/api/webhooks``, issue 14)."""
+"""Pydantic models of the webhooks API (``/api/webhooks``)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ __all__ = ["CANCELLABLE", "TERMINAL", "TRANSITIONS", "can_move", "sources"]
 #: status -> statuses it may move to.
 TRANSITIONS: Final[dict[str, frozenset[str]]] = {
     "validating": frozenset({"failed", "in_progress", "cancelling"}),
-    # in_progress -> failed: the owner's key was revoked, or its balance ran out past the grace (issue 13)
+    # in_progress -> failed: the owner's key was revoked, or its balance ran out past the grace
     "in_progress": frozenset({"finalizing", "expired", "cancelling", "failed"}),
     "finalizing": frozenset({"completed", "cancelling"}),
     "cancelling": frozenset({"cancelled"}),

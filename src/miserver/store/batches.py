@@ -52,16 +52,16 @@ class BatchRecord:
     caller_lease: str | None
     claimed_by: str | None
     claimed_until: int | None
-    #: accounts (issue 13): the owner key (None: made with no keys), the batch prices fixed at creation
+    #: accounts: the owner key (None: made with no keys), the batch prices fixed at creation
     #: (``{model: [input, output]}``, micro-units per million tokens), the input tokens counted at validation, and
     #: since when the batch waits for a top-up
     owner_key_id: str | None = None
     prices: dict[str, list[int]] | None = None
     enqueued_tokens: int = 0
     balance_waiting_since: int | None = None
-    #: model life (issue 15): the weights revision the batch is pinned to (None: whatever is resident)
+    #: model life: the weights revision the batch is pinned to (None: whatever is resident)
     weights_revision: str | None = None
-    #: scheduling and operations (issue 14): order before deadlines (higher first), when it was paused (None: not
+    #: scheduling and operations: order before deadlines (higher first), when it was paused (None: not
     #: paused), whether it was accepted past its estimated finish (``millm_allow_late``), the ETA (Unix seconds)
     priority: int = 0
     paused_at: int | None = None

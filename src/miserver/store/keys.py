@@ -1,4 +1,4 @@
-"""API keys and their credits (issue 13). Only the SHA-256 digest of a key and a display prefix are stored.
+"""API keys and their credits. Only the SHA-256 digest of a key and a display prefix are stored.
 
 A key's ``balance`` (integer micro-units; None: unlimited) is kept equal to the sum of its credits
 (:data:`~miserver.store.schema.key_credits`) minus the sum of its usage costs

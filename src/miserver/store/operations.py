@@ -1,4 +1,4 @@
-"""The statements of batch operations (issue 14): measured throughput, the scheduler's view of pending rows, result
+"""The statements of batch operations: measured throughput, the scheduler's view of pending rows, result
 pages of a running batch, the rows a retry takes over, and the counts behind ``/metrics``."""
 
 from __future__ import annotations

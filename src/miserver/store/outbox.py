@@ -1,4 +1,4 @@
-"""Webhook endpoints and the outbox of their deliveries (issue 14).
+"""Webhook endpoints and the outbox of their deliveries.
 
 An event (``batch.completed``...) is written here, one outbox row per subscribed endpoint, in the transaction of the
 status change that raised it (:func:`enqueue`, called by :func:`miserver.store.batches.try_transition`), so a status

@@ -105,17 +105,17 @@ batches = Table(
     # which process validates or finishes the batch now (several workers share PostgreSQL)
     Column("claimed_by", String(128), nullable=True),
     Column("claimed_until", BigInteger, nullable=True),
-    # accounts (issue 13): the owner key, the batch prices fixed at creation (JSON ``{model: [input, output]}`` in
+    # accounts: the owner key, the batch prices fixed at creation (JSON ``{model: [input, output]}`` in
     # micro-units per million tokens, batch discount applied), the input tokens counted at validation (the queue
     # quota's reservation while the batch is not terminal), and since when the batch waits for a top-up
     Column("owner_key_id", String(64), nullable=True),
     Column("prices_json", Text, nullable=True),
     Column("enqueued_tokens", BigInteger, nullable=False, server_default="0"),
     Column("balance_waiting_since", BigInteger, nullable=True),
-    # model life (issue 15): the weights revision the batch is pinned to (its rows wait ``weights_changed`` while
+    # model life: the weights revision the batch is pinned to (its rows wait ``weights_changed`` while
     # the resident revision differs); NULL runs on whatever is resident
     Column("weights_revision", String(64), nullable=True),
-    # scheduling and operations (issue 14): order before deadlines, pause, late acceptance, the ETA (Unix seconds)
+    # scheduling and operations: order before deadlines, pause, late acceptance, the ETA (Unix seconds)
     Column("priority", Integer, nullable=False, server_default="0"),
     Column("paused_at", BigInteger, nullable=True),
     Column("allow_late", Boolean, nullable=False, server_default=text("false")),
@@ -245,7 +245,7 @@ responses = Table(
 )
 Index("ix_responses_expires_at", responses.c.expires_at)
 
-# API keys (issue 13). Only the SHA-256 digest of a key and a display prefix are kept; the key itself is shown once.
+# API keys. Only the SHA-256 digest of a key and a display prefix are kept; the key itself is shown once.
 # ``balance`` is in integer micro-units of the price table's currency, NULL for an unlimited key; it always equals the
 # sum of the key's credits minus the sum of its usage costs (both tables below), which is how it is audited.
 # ``max_pending_batches`` and ``max_enqueued_tokens`` are the key's queue quotas (NULL: none).
@@ -312,7 +312,7 @@ usage_records = Table(
 Index("ix_usage_records_key_day", usage_records.c.key_id, usage_records.c.day)
 Index("ix_usage_records_day", usage_records.c.day)
 
-# Model life (issue 15). A checkpoint is the resident weights saved under a new model id (``model_id``) as a
+# Model life. A checkpoint is the resident weights saved under a new model id (``model_id``) as a
 # transformers folder at ``path`` (safetensors, config, tokenizer); ``base_model`` is the catalogue id its weights
 # came from, ``weights_revision`` the digest of its weight files, ``bytes`` its size on disk.
 checkpoints = Table(
@@ -339,7 +339,7 @@ catalogue_models = Table(
     Column("created_at", BigInteger, nullable=False),
 )
 
-# Scheduling and operations (issue 14). Measured throughput per model and endpoint (the ETA): moving averages over
+# Scheduling and operations. Measured throughput per model and endpoint (the ETA): moving averages over
 # recent chunks of rows per second and tokens (prompt + completion) per second; ``samples`` counts the chunks.
 throughput = Table(
     "throughput",

@@ -1,4 +1,4 @@
-"""Usage records and their rollups (issue 13).
+"""Usage records and their rollups.
 
 :func:`record_usage` is called inside the transaction that records a result (a batch row's record, or right after a
 synchronous request), so the charge and the result commit together or not at all. It inserts with ``ON CONFLICT DO

@@ -1,4 +1,4 @@
-"""Pools of upstreams, the gateway that keeps them, and the one retry loop (DESIGN §8, issue 12).
+"""Pools of upstreams, the gateway that keeps them, and the one retry loop (DESIGN §8).
 
 Upstreams that list the same model id form that model's :class:`UpstreamPool`. A pool has its own admission gate
 (:class:`PoolGate`: one slot per ``max_in_flight`` place of its members, interactive requests first), so the backlog

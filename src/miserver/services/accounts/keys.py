@@ -1,4 +1,4 @@
-"""API keys and who is calling (issue 13): key making and hashing, the caller (:class:`Principal`), and the one FastAPI
+"""API keys and who is calling: key making and hashing, the caller (:class:`Principal`), and the one FastAPI
 dependency that authenticates every route (:func:`authenticate`), plus :func:`require_admin` for admin-only routes.
 
 A key is ``sk-`` + 32 random bytes in base64url (43 characters); only its SHA-256 hex digest and a display prefix

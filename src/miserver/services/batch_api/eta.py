@@ -1,4 +1,4 @@
-"""The ETA at a batch's creation (issue 14): a batch whose estimated time to finish exceeds its window is refused,
+"""The ETA at a batch's creation: a batch whose estimated time to finish exceeds its window is refused,
 unless its create sends ``millm_allow_late: true``."""
 
 from __future__ import annotations

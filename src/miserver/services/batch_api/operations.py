@@ -1,4 +1,4 @@
-"""Batch operations beyond OpenAI's API (issue 14): pause and resume, results while running, retry and delete;
+"""Batch operations beyond OpenAI's API: pause and resume, results while running, retry and delete;
 the estimate that refuses a batch that cannot finish in its window is in ``services/batch_api/eta.py``.
 
 Routes in ``api/operations.py`` parse the request and return what these functions build; status and field changes

@@ -1,4 +1,4 @@
-"""Webhooks (issue 14): the rules of registering an endpoint, and of where deliveries may go.
+"""Webhooks: the rules of registering an endpoint, and of where deliveries may go.
 
 ``POST /api/webhooks {"url", "events"}`` registers a URL for some of the batch events (:data:`EVENTS`); the answer
 shows the signing secret (``whsec_`` + base64 of 24 random bytes, Standard Webhooks) this once. A destination on a

@@ -16,7 +16,7 @@ rows not yet complete are not yielded (the runner's time bound, cancel and inter
 The consumer (``batches.chunks``) does not care in which order or with what concurrency outcomes arrive, so an
 executor that keeps several requests in flight plugs in behind the same iterator.
 
-Generation rows (batched generation, issue 17): under a :class:`PackPlan` with ``generate_slots`` above 1 and an
+Generation rows (batched generation): under a :class:`PackPlan` with ``generate_slots`` above 1 and an
 engine with the :class:`~miserver.engines.base.GeneratesMany` capability, a service's generation rows (``Packing.
 generations``) decode together through ``generate_many`` (continuous batching, :func:`run_generations`), each row
 yielded as soon as its sequences are done. ``call.interrupted()`` is asked before every decode step; once true the

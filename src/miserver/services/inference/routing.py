@@ -1,4 +1,4 @@
-"""Gateway mode in the services (DESIGN §8, issue 12): a request or a batch row naming an upstream model.
+"""Gateway mode in the services (DESIGN §8): a request or a batch row naming an upstream model.
 
 The endpoint services (chat, text completions, embeddings) route here when the body's model is served by an
 upstream pool rather than the resident engine (:func:`target`). The body passes the endpoint's own model-free checks
