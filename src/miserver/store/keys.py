@@ -140,22 +140,6 @@ async def top_up(conn: AsyncConnection, key_id: str, amount: int, at: int) -> Ke
     return record
 
 
-async def set_quotas(
-    conn: AsyncConnection, key_id: str, *, max_pending_batches: int | None, max_enqueued_tokens: int | None
-) -> KeyRecord:
-    """Set (or clear, with None) a key's queue quotas. Raises :class:`KeyNotFound` for an unknown key."""
-    stmt = (
-        update(api_keys)
-        .where(api_keys.c.id == key_id)
-        .values(max_pending_batches=max_pending_batches, max_enqueued_tokens=max_enqueued_tokens)
-    )
-    if (await conn.execute(stmt)).rowcount != 1:
-        raise KeyNotFound(key_id)
-    record = await get_key(conn, key_id)
-    assert record is not None
-    return record
-
-
 @dataclass(frozen=True)
 class Ledger:
     """Both sides of a key's account, recomputed from the lines: ``credits`` and ``charges`` (micro-units), the

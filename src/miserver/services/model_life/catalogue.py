@@ -22,7 +22,6 @@ The same in YAML: ``models: [{id: ..., source: ..., aliases: [...]}]``.
 
 from __future__ import annotations
 
-import json
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -241,13 +240,3 @@ class Catalogue:
             row = {"id": c["id"], "object": "model", "source": None, "kind": "checkpoint", "bytes": c["bytes"]}
             out.append({**row, "aliases": [], "origin": "checkpoint", "base_model": c["base_model"], **live(c["id"])})
         return out
-
-
-def parse_aliases(text: str | None) -> list[str]:
-    """``--alias a,b`` on the command line: the names, stripped, empty ones dropped."""
-    return [a.strip() for a in (text or "").split(",") if a.strip()]
-
-
-def dump_entry(entry: CatalogueEntry) -> str:
-    """An entry as one JSON line (the CLI prints it)."""
-    return json.dumps({"id": entry.id, "source": entry.source, "aliases": list(entry.aliases)})
