@@ -6,7 +6,8 @@ one row at a time, on the same model); every row must complete, once, in input o
 SDK ``ChatCompletion``; the accuracy is printed (run with ``-s`` to see it). (b) A synchronous greedy chat answers
 "Paris", and the model named without its quantization tag is a 404 that names the exact id.
 
-The data set is read from ``../shared/data`` beside the repository (or ``MISERVER_SHARED_DATA``), never copied in.
+The rows come from ``tests/data/ag_news_sample.csv`` (the first 50 items of each label of the AG News subset of the
+OpenAI cookbook, MIT licence), so the test needs nothing beside the repository.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from miserver.settings import EMBEDDED_MODEL_ID
-from tests.support.agnews import LABELS, ag_news_path, balanced_items, few_shot_messages, predicted_label
+from tests.support.agnews import LABELS, SAMPLE, balanced_items, few_shot_messages, predicted_label
 from tests.support.server import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
@@ -32,10 +33,8 @@ MAX_TOKENS = 4
 
 
 def ag_news_rows(per_label: int = PER_LABEL) -> list[dict[str, str]]:
-    """The first ``per_label`` rows of each label, in file order; fails (not skips) without the shared data."""
-    if not ag_news_path().exists():
-        pytest.fail(f"shared data set missing: {ag_news_path()} (set MISERVER_SHARED_DATA to the shared/data folder)")
-    rows = balanced_items(per_label)
+    """The first ``per_label`` rows of each label, in file order, from the sample the repository ships."""
+    rows = balanced_items(per_label, SAMPLE)
     assert len(rows) == per_label * len(LABELS)
     return rows
 

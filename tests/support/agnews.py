@@ -1,4 +1,5 @@
-"""Batch rows built from ``../shared/data/ag_news_samples.csv`` (read in place, never copied into the repository).
+"""Batch rows built from AG News items: the tests read the 200-item sample shipped in ``tests/data/`` (:data:`SAMPLE`),
+the benchmarks the full ``ag_news_samples.csv`` of the shared data folder (:func:`ag_news_path`).
 
 Each row asks the model for the topic of a news item (World, Sports, Business, Sci/Tech); the gold label comes back
 beside the row, never inside the request body (batch lines are strict).
@@ -60,12 +61,17 @@ def ag_news_path() -> Path:
     return shared_data_dir() / "ag_news_samples.csv"
 
 
-def balanced_items(per_label: int) -> list[dict[str, str]]:
-    """The first ``per_label`` items of each label, in file order (deterministic and balanced); each a CSV row with
-    ``title``, ``description`` and ``label``. Fewer when the file has fewer of a label."""
+#: The sample the repository ships: the first 50 items of each label of ``ag_news_samples.csv``, in file order.
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "ag_news_sample.csv"
+
+
+def balanced_items(per_label: int, path: Path | None = None) -> list[dict[str, str]]:
+    """The first ``per_label`` items of each label of ``path`` (default :func:`ag_news_path`), in file order
+    (deterministic and balanced); each a CSV row with ``title``, ``description`` and ``label``. Fewer when the file
+    has fewer of a label."""
     taken = dict.fromkeys(LABELS, 0)
     items = []
-    with ag_news_path().open(newline="", encoding="utf-8") as fh:
+    with (path or ag_news_path()).open(newline="", encoding="utf-8") as fh:
         for item in csv.DictReader(fh):
             if taken[item["label"]] < per_label:
                 taken[item["label"]] += 1
