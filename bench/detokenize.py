@@ -4,7 +4,7 @@ Generates ``--tokens`` tokens (default 512) for one chat row with the engine's o
 (``generate.generate_sequence``; the end-of-sequence token is ignored so the row has exactly that length, sampled at
 temperature 1 with a fixed seed) and measures, in the same run:
 
-- ``after``: the seconds spent in the incremental detokeniser the engine uses (``generate.TextStream``: the
+- ``after``: the seconds spent in the incremental detokeniser the engine uses (``detokenize.TextStream``: the
   tokenizers library's ``DecodeStream``, one step per token, plus the one final decode when a character is left
   incomplete), timed around each call during the generation;
 - ``before``: the seconds the previous algorithm spends on the same token ids: ``tokenizer.decode`` of the whole id
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from miserver.engines.base import SamplingParams
-from miserver.engines.local import generate
+from miserver.engines.local import detokenize, generate
 from miserver.engines.local.loader import load_model, load_tokenizer, resolve_model_source
 from miserver.settings import EMBEDDED_MODEL_ID
 
@@ -65,7 +65,7 @@ def decode_before(tokenizer: Any, ids: list[int]) -> float:
 def decode_after(tokenizer: Any, ids: list[int]) -> float:
     """Seconds of the streaming decoder the engine uses now, over the same ids."""
     start = time.perf_counter()
-    stream = generate.TextStream(tokenizer)
+    stream = detokenize.TextStream(tokenizer)
     for token in ids:
         stream.step(token)
     stream.rest()
@@ -97,9 +97,9 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=0)
 
     spent = [0.0]
-    original_step, original_rest = generate.TextStream.step, generate.TextStream.rest
-    generate.TextStream.step = timed(spent, original_step)  # type: ignore[method-assign]
-    generate.TextStream.rest = timed(spent, original_rest)  # type: ignore[method-assign]
+    original_step, original_rest = detokenize.TextStream.step, detokenize.TextStream.rest
+    detokenize.TextStream.step = timed(spent, original_step)  # type: ignore[method-assign]
+    detokenize.TextStream.rest = timed(spent, original_rest)  # type: ignore[method-assign]
     ids: list[int] = []
     try:
         with torch.inference_mode():
@@ -108,7 +108,7 @@ def main() -> None:
                 ids.extend(delta.token_ids)
             row = time.perf_counter() - start
     finally:
-        generate.TextStream.step, generate.TextStream.rest = original_step, original_rest  # type: ignore[method-assign]
+        detokenize.TextStream.step, detokenize.TextStream.rest = original_step, original_rest  # type: ignore[method-assign]
     after = spent[0]
     assert len(ids) == args.tokens, f"generated {len(ids)} tokens"
 

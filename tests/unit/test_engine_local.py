@@ -18,8 +18,8 @@ from miserver.engines.base import (
 )
 from miserver.engines.local import generate as gen
 from miserver.engines.local import loader
+from miserver.engines.local.detokenize import _Output
 from miserver.engines.local.engine import LocalEngine
-from miserver.engines.local.generate import _Output
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.settings import EMBEDDED_MODEL_ID
 from tests.support.tiny_model import default_cache_dir

@@ -23,8 +23,9 @@ import torch
 
 from miserver.batches.packing import budget_packs
 from miserver.engines.base import GenerationRequest, SamplingParams, TokenLogprob
+from miserver.engines.local.detokenize import TextStream, _Output, text_pieces, token_texts
 from miserver.engines.local.engine import LocalEngine
-from miserver.engines.local.generate import TextStream, _Output, logprobs_of, text_pieces, token_texts
+from miserver.engines.local.generate import logprobs_of
 from miserver.scheduling.admission import AdmissionGate, Priority
 from miserver.services.inference import chat, completions
 from miserver.services.inference.context import Call, ServiceContext, ServiceResult, StreamResult

@@ -30,8 +30,8 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
 
 from miserver.engines.base import Generated, GenerationRequest, SamplingParams, StreamDelta
+from miserver.engines.local.detokenize import _Output
 from miserver.engines.local.generate import (
-    _Output,
     cache_kwarg,
     collect_result,
     decode_step,

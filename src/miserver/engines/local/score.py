@@ -19,14 +19,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from miserver.engines.base import ScoreRequest, ScoreResult, TokenLogprob
-from miserver.engines.local.generate import (
-    TokenTexts,
-    cache_kwarg,
-    collect_result,
-    generate_sequence,
-    text_pieces,
-    token_texts,
-)
+from miserver.engines.local.detokenize import TokenTexts, text_pieces, token_texts
+from miserver.engines.local.generate import cache_kwarg, collect_result, generate_sequence
 
 #: Prompt positions whose logits are materialised at once for prompt logprobs (bounds memory: chunk x vocab floats).
 PROMPT_CHUNK = 256
