@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from .. import log_redaction
 from ..settings import Settings
 from .base import P, R, _on_store, main
 
@@ -135,9 +136,17 @@ def serve(
     overrides |= _upstream_overrides(upstream, no_model)
     settings = Settings(**overrides)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_redaction.install()
     _check_sqlite_free(settings)
     _check_exposure(settings)
-    uvicorn.run(create_asgi(settings), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    uvicorn.run(
+        create_asgi(settings),
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=log_redaction.uvicorn_log_config(),
+        timeout_graceful_shutdown=30,
+    )
 
 
 @main.command()
@@ -187,6 +196,7 @@ def worker(
     overrides |= _upstream_overrides(upstream, no_model)
     settings = Settings(**overrides)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_redaction.install()
 
     async def run() -> None:
         runtime = await start_runtime(settings, worker_id=worker_id, role="worker")

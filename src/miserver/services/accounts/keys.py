@@ -325,8 +325,8 @@ async def principal_for(store: Store, key: str | None) -> Principal:
         record = await store_keys.find_by_digest(conn, digest(key)) if key is not None else None
     if key is None:
         raise AuthenticationError(
-            "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...' (or 'x-api-key' on the "
-            "/anthropic routes)."
+            "You didn't provide an API key. Keys go in the Authorization header: send 'Authorization: Bearer sk-...' "
+            "(or 'x-api-key' on the /anthropic routes); a key in the query string is not read."
         )
     if record is None or not record.active:
         shown = key[:PREFIX_CHARS] + "..." if len(key) > PREFIX_CHARS else "***"
