@@ -21,13 +21,12 @@ from collections.abc import Callable
 
 from ..clock import now, now_ms
 from ..scheduling import policy as scheduling
-from ..scheduling.admission import Priority, Slot
+from ..scheduling.admission import Priority
 from ..services.accounts import keys as accounts
 from ..services.accounts.balance import batch_verdict
 from ..services.inference.context import ServiceContext
-from ..services.inference.registry import SERVICES
 from ..settings import Settings
-from ..store import Store, outbox
+from ..store import Store
 from ..store import batch_states as states
 from ..store import batches as store_batches
 from ..store import keys as store_keys
@@ -35,9 +34,10 @@ from ..store import model_life as store_models
 from ..store import operations as store_operations
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord, StaleStatus
-from . import chunks, output, packing
-from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease, weights_block
-from .run_state import RunState, finalize_if_recorded
+from . import output
+from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease
+from .resident_runs import ResidentRuns
+from .run_state import RunState
 from .upstream_runs import UpstreamRuns
 from .validate import BatchFailure, Validator
 
@@ -93,9 +93,8 @@ class BatchRunner:
         self.clock: Callable[[], float] = lambda: now_ms() / 1000
         self._interactive_seen: tuple[int, float] = (0, float("-inf"))
         self._halt = asyncio.Event()
-        #: Rows recorded by, and seconds of, this process's last chunk (fair share and the batch share).
-        self._last_chunk_rows = 0
-        self._last_chunk_seconds = 0.0
+        #: Chunks of batches on the resident model, one at a time (their last chunk feeds fair share and the share).
+        self.resident = ResidentRuns(self.state)
 
     def wake(self) -> None:
         """Ask the loop to look at the batches now (a batch was created or cancelled): a new batch starts validating
@@ -214,7 +213,7 @@ class BatchRunner:
                 for other in decision.order:
                     if other != batch_id and other in decision.queued:
                         await self.state.set_waiting(by_id[other], "queued", None)
-                self.fair.charge(candidate, self._last_chunk_rows)
+                self.fair.charge(candidate, self.resident.last_chunk_rows)
                 await self._yield_share()
                 return True
         return busy
@@ -253,7 +252,7 @@ class BatchRunner:
             self._interactive_seen = (granted, clock)
         if share >= 1.0 or clock - self._interactive_seen[1] > INTERACTIVE_RECENT_SECONDS:
             return
-        idle = self._last_chunk_seconds * (1.0 / share - 1.0)
+        idle = self.resident.last_chunk_seconds * (1.0 / share - 1.0)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._halt.wait(), idle)
 
@@ -412,101 +411,9 @@ class BatchRunner:
     async def _run_chunk(self, batch: BatchRecord, ready: Readiness) -> bool:
         self._chunk_batch = batch.id
         try:
-            return await self._claim_and_run(batch, ready)
+            return await self.resident.claim_and_run(batch, ready)
         finally:
             self._chunk_batch = None
-
-    async def _claim_and_run(self, batch: BatchRecord, ready: Readiness) -> bool:
-        token = secrets.token_hex(16)
-        async with self.store.tx() as conn:
-            claimed = await store_rows.claim(
-                conn,
-                batch_id=batch.id,
-                limit=packing.claim_limit(self.settings, batch),  # a packed batch claims a packing window
-                worker=self.worker_id,
-                token=token,
-                now_ms=now_ms(),
-                ttl_ms=self.state.claim_ttl_ms,
-                skip_locked=self.store.skip_locked,
-            )
-            if not claimed and not await finalize_if_recorded(conn, batch.id):
-                return False  # another worker holds the remaining rows
-        if not claimed:
-            self.on_change(batch.id)
-            return True
-        try:
-            async with self.ctx.gate.hold(Priority.BATCH) as slot, self.state.heartbeat(batch.id, token, ready.lease):
-                if not self._model_resident(batch):
-                    # the model was unloaded or swapped while this chunk waited for the slot: run nothing
-                    await self.state.set_waiting(batch, "model_not_resident", None)
-                    return True
-                blocked = weights_block(self.ctx, batch)
-                if blocked is not None:
-                    # a weight write or commit happened while this chunk waited for the slot: run nothing
-                    await self.state.set_waiting(batch, blocked, None)
-                    return True
-                await self.state.set_waiting(batch, None, ready.holder)
-                started = time.monotonic()
-                with accounts.acting_as(accounts.owner_principal(batch.owner_key_id)):
-                    report = await self._chunk(batch, token, claimed, slot, ready)
-                await self._measured(batch, report, time.monotonic() - started)
-        finally:
-            async with self.store.tx() as conn:
-                await store_rows.release_claim(conn, batch_id=batch.id, token=token)
-        return True
-
-    async def _chunk(
-        self, batch: BatchRecord, token: str, claimed: list[store_rows.ClaimedRow], slot: Slot, ready: Readiness
-    ) -> chunks.ChunkReport:
-        """One chunk of ``batch``'s claimed rows through the one row loop, billed to its owner at its prices."""
-        return await chunks.run_chunk(
-            ctx=self.ctx,
-            store=self.store,
-            service=SERVICES[batch.endpoint],
-            endpoint=batch.endpoint,
-            batch_id=batch.id,
-            token=token,
-            rows=claimed,
-            plan=packing.batch_plan(self.settings, batch),
-            slot=slot,
-            lease=ready.lease,
-            time_limit=self.settings.batch_chunk_seconds,
-            stopping=lambda: self._stopping,
-            on_change=self.on_change,
-            owner=batch.owner_key_id,
-            prices=batch.prices,
-        )
-
-    async def _measured(self, batch: BatchRecord, report: chunks.ChunkReport, seconds: float) -> None:
-        """Fold a chunk into the measured rate of its model and endpoint (the ETA's input, persisted), and write the
-        batch's ``batch.progress`` webhook events that are due."""
-        self._last_chunk_rows, self._last_chunk_seconds = report.recorded, seconds
-        if report.recorded == 0:
-            return
-        async with self.store.tx() as conn:  # batch.progress webhooks, at most every MISERVER_WEBHOOK_PROGRESS_SECONDS
-            await outbox.enqueue_progress(
-                conn,
-                batch_id=batch.id,
-                owner_key_id=batch.owner_key_id,
-                at=now(),
-                min_interval=self.settings.webhook_progress_seconds,
-            )
-        if batch.model is None:
-            return
-        async with self.store.tx() as conn:
-            await store_operations.record_rate(
-                conn,
-                model=batch.model,
-                endpoint=batch.endpoint,
-                rows=report.recorded,
-                tokens=report.tokens,
-                seconds=seconds,
-                at=now(),
-            )
-
-    def _model_resident(self, batch: BatchRecord) -> bool:
-        engine = self.ctx.engine
-        return engine is not None and not self.ctx.loading and engine.info.model_id == batch.model
 
     # -- finishing --------------------------------------------------------------------------------------------
 
