@@ -22,7 +22,7 @@ from miserver.app import create_app
 from miserver.cli import main
 from miserver.errors import InvalidRequestError
 from miserver.protocol.accounts import TopUpRequest
-from miserver.protocol.common import parse_request
+from miserver.protocol.parsing import parse_request
 from miserver.services.accounts import keys as accounts
 from miserver.services.accounts.balance import BatchVerdict, batch_verdict
 from miserver.services.accounts.prices import PriceFileError, PriceTable, cost, price_from_snapshot

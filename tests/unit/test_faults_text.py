@@ -24,10 +24,12 @@ from miserver.engines.base import EngineInfo
 from miserver.errors import APIError
 from miserver.protocol.batches import BatchCreateRequest
 from miserver.protocol.chat import ChatCompletionRequest
-from miserver.protocol.common import RequestModel, describe, parse_request
+from miserver.protocol.common import RequestModel
 from miserver.protocol.completions import CompletionRequest
 from miserver.protocol.embeddings import EmbeddingRequest
+from miserver.protocol.parsing import parse_request
 from miserver.protocol.probes import ProbeCreateRequest, ProbeScoreRequest
+from miserver.protocol.validation_errors import describe
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.inference.checks import decode_json
 from miserver.services.inference.context import ServiceContext

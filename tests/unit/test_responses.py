@@ -10,7 +10,7 @@ import pytest
 from openai.types.responses import Response
 
 from miserver.errors import APIError, ContextLengthError, ModelNotFoundError
-from miserver.protocol.common import parse_request
+from miserver.protocol.parsing import parse_request
 from miserver.protocol.responses import ResponseCreateRequest
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.inference import responses

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 
 from ..errors import InvalidRequestError
 from ..protocol.batches import Batch
-from ..protocol.common import parse_request
+from ..protocol.parsing import parse_request
 from ..protocol.server import LeaseObject, LeaseReleased, LeaseRequest, RenewRequest
 from ..services.accounts import keys as accounts
 from ..services.batch_api import batches as batches_service

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from ..protocol.common import parse_request
+from ..protocol.parsing import parse_request
 from ..protocol.server import Catalogue, ModelList, ModelLoaded, ModelLoadRequest, ModelObject, ModelUnloaded
 from ..services.accounts.keys import require_admin
 from ..services.inference import routing as gateway

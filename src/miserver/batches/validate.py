@@ -23,7 +23,7 @@ from ..errors import (
     UnknownParameterError,
 )
 from ..protocol.batches import BatchInputLine
-from ..protocol.common import check_text, find_unpaired_surrogate
+from ..protocol.text import check_text, find_unpaired_surrogate
 from ..services.batch_api.estimates import estimate_input_tokens
 from ..services.batch_api.files import content_expired
 from ..services.inference.context import ServiceContext

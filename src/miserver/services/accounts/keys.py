@@ -37,7 +37,7 @@ from ...errors import (
 )
 from ...ids import ordered_id
 from ...protocol.accounts import KeyCreateRequest, KeyObject, TopUpRequest
-from ...protocol.common import parse_request
+from ...protocol.parsing import parse_request
 from ...store import Store
 from ...store import keys as store_keys
 from ...store.keys import KeyRecord

@@ -30,7 +30,7 @@ from ...protocol.batches import (
     BatchUsage,
     RequestCounts,
 )
-from ...protocol.common import parse_request
+from ...protocol.parsing import parse_request
 from ...store import Store
 from ...store import batch_states as states
 from ...store import batches as store_batches

@@ -37,7 +37,7 @@ from ...protocol.anthropic import (
     MessageBatchRequestCounts,
 )
 from ...protocol.batches import TERMINAL
-from ...protocol.common import parse_request
+from ...protocol.parsing import parse_request
 from ...store import Store
 from ...store import batches as store_batches
 from ...store import files as store_files

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from ...clock import now
 from ...errors import InvalidRequestError, NotFoundError
-from ...protocol.common import parse_request
+from ...protocol.parsing import parse_request
 from ...protocol.webhooks import WebhookCreateRequest, WebhookObject
 from ...store import Store
 from ...store import outbox as store_outbox

@@ -24,7 +24,8 @@ from ...protocol.chat import (
     ChunkChoice,
     ChunkDelta,
 )
-from ...protocol.common import ChatTokenLogprob, TopLogprob, Usage, carried_fields, parse_request
+from ...protocol.common import ChatTokenLogprob, TopLogprob, Usage
+from ...protocol.parsing import carried_fields, parse_request
 from . import routing as gateway
 from .checks import (
     check_context,

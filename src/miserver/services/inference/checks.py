@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import ContextLengthError, InvalidRequestError, UnsupportedParameterError
-from ...protocol.common import check_text
+from ...protocol.text import check_text
 
 
 def decode_json(raw: bytes) -> Any:

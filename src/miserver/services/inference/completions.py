@@ -19,8 +19,9 @@ from ...engines.base import Engine, GeneratedSequence, GenerationRequest, ScoreR
 from ...engines.upstream import UpstreamPool
 from ...errors import InvalidRequestError, UnsupportedParameterError
 from ...ids import random_id
-from ...protocol.common import Usage, carried_fields, parse_request
+from ...protocol.common import Usage
 from ...protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from ...protocol.parsing import carried_fields, parse_request
 from . import routing as gateway
 from .checks import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage, provenance_headers

@@ -20,8 +20,8 @@ import numpy as np
 from ...engines.base import Engine, PoolRequest, Vector
 from ...engines.upstream import UpstreamPool
 from ...errors import InvalidRequestError, UnsupportedParameterError
-from ...protocol.common import parse_request
 from ...protocol.embeddings import MAX_INPUTS, CreateEmbeddingResponse, Embedding, EmbeddingRequest, EmbeddingUsage
+from ...protocol.parsing import parse_request
 from . import routing as gateway
 from .checks import check_context
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers

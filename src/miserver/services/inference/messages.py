@@ -44,7 +44,7 @@ from ...protocol.anthropic import (
     TextDelta,
     blocks_text,
 )
-from ...protocol.common import carried_fields, parse_request
+from ...protocol.parsing import carried_fields, parse_request
 from . import chat
 from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage
 

@@ -17,7 +17,7 @@ from ...clock import now
 from ...engines.base import Engine, PoolRequest
 from ...errors import ConflictError, InvalidRequestError, MissingParameterError, NotFoundError
 from ...ids import ordered_id
-from ...protocol.common import parse_request
+from ...protocol.parsing import parse_request
 from ...protocol.probes import (
     MAX_SCORE_INPUTS,
     Probe,

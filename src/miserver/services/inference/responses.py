@@ -21,7 +21,7 @@ from ...clock import now
 from ...engines.base import Engine
 from ...errors import APIError, InvalidRequestError, NotFoundError, UnsupportedParameterError
 from ...ids import ordered_id, random_id
-from ...protocol.common import parse_request
+from ...protocol.parsing import parse_request
 from ...protocol.responses import (
     IncompleteDetails,
     InputMessage,
