@@ -15,15 +15,9 @@ import pytest
 from miserver.engines.upstream.client import ServedModel, Upstream, read_models
 from miserver.engines.upstream.config import Timeouts, parse_entry, parse_upstreams
 from miserver.engines.upstream.errors import normalize_error, stream_error
-from miserver.engines.upstream.pool import (
-    Gateway,
-    KnownUpstream,
-    OnModels,
-    RetryPolicy,
-    UpstreamPool,
-    retry_after,
-    send,
-)
+from miserver.engines.upstream.gateway import Gateway, KnownUpstream, OnModels
+from miserver.engines.upstream.pool import UpstreamPool
+from miserver.engines.upstream.retry import RetryPolicy, retry_after, send
 from miserver.errors import ModelNotFoundError, UpstreamUnavailableError
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.inference import routing as service

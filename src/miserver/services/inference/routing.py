@@ -3,7 +3,7 @@
 The endpoint services (chat, text completions, embeddings) route here when the body's model is served by an
 upstream pool rather than the resident engine (:func:`target`). The body passes the endpoint's own model-free checks
 (its ``parse``, strict for batch lines) and the upstream context check, then the pool's admission gate (interactive
-first), then :func:`~miserver.engines.upstream.pool.send` (the one retry loop). The upstream's body comes back
+first), then :func:`~miserver.engines.upstream.retry.send` (the one retry loop). The upstream's body comes back
 unchanged but for ``model``, which keeps the name the caller sent; provenance headers say ``X-miLLM-Backend:
 upstream:<name>``. Streams are relayed chunk by chunk; an error chunk inside the stream or a stream cut before
 ``[DONE]`` ends the relay with an error event, never as a success.
