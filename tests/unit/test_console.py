@@ -7,7 +7,9 @@ import hashlib
 from importlib import resources
 
 from miserver.console.app import CSP
-from miserver.console.pages import chart, money, window_choices, window_label
+from miserver.console.pages.create import window_choices
+from miserver.console.pages.render import money, window_label
+from miserver.console.pages.usage import chart
 from miserver.console.sessions import FailureLimit, Sessions
 from miserver.console.state import safe_next
 from miserver.services.batch_api.job_search import UsageGrid, realtime_equivalent

@@ -1,5 +1,5 @@
 """The console as its own ASGI application, mounted at ``/console`` by ``create_app``: who the browser is (the
-session cookie, :class:`ConsoleAuth`), the security headers, and the error pages. The pages are in ``pages.py``,
+session cookie, :class:`ConsoleAuth`), the security headers, and the error pages. The pages are in ``pages/``,
 what both share in ``state.py``.
 
 A request without a live session is sent to the sign-in page, except on a server with no API key, where the
