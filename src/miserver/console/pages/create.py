@@ -3,7 +3,6 @@ request, the cost estimate of the uploaded file, and the create itself."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,7 +10,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 
 from ...api.upload import receive_batch_upload
 from ...errors import APIError, InvalidRequestError
-from ...protocol.batches import BATCH_ENDPOINTS
+from ...protocol.batches import BATCH_ENDPOINTS, BatchCreateRequest
 from ...services.batch_api import batches as batches_service
 from ...services.batch_api import files
 from ...services.batch_api.estimates import estimate_file_cost
@@ -98,20 +97,18 @@ async def create(request: Request) -> Response:
     st = console_state(request).app_state
     values = {k: str(v) for k, v in form.items() if k != "csrf" and isinstance(v, str)}
     description = values.get("description", "").strip()
-    body: dict[str, Any] = {
-        "input_file_id": values.get("file_id", ""),
-        "endpoint": values.get("endpoint", ""),
-        "completion_window": f"{values.get('window', '')}h",
-        "pack": values.get("pack") == "on",
-    }
-    if description:
-        body["metadata"] = {"description": description}
     try:
-        if not body["input_file_id"]:
+        if not values.get("file_id"):
             raise InvalidRequestError("Upload a .jsonl file first.", param="input_file_id")
-        created = await batches_service.create_batch(
+        created = await batches_service.create_batch_request(
             st.store,
-            batches_service.BatchCreate(raw=json.dumps(body).encode(), strict=True),
+            BatchCreateRequest(
+                input_file_id=values["file_id"],
+                endpoint=values.get("endpoint", ""),
+                completion_window=f"{values.get('window', '')}h",
+                pack=values.get("pack") == "on",
+                metadata={"description": description} if description else None,
+            ),
             max_window_hours=st.settings.max_completion_window_hours(),
             pack_default=st.settings.batch_pack_default,
             prices=st.ctx.prices,

@@ -107,14 +107,20 @@ def check_input_file(record: FileRecord | None, file_id: str, at: int) -> None:
 
 
 def check(body: Any, *, strict: bool, max_window_hours: int) -> tuple[BatchCreateRequest, int]:
-    """Parse and check a create body (decoded JSON): the request model (strict when asked), the endpoint, the
-    window and the metadata, in that order. Returns the request and its window in hours; raises 400 naming the
-    param. ``output_expires_after`` bounds are the request model's (3600..2592000 s)."""
+    """Parse and check a create body (decoded JSON): the request model (strict when asked), then
+    :func:`check_request`. Returns the request and its window in hours; raises 400 naming the param.
+    ``output_expires_after`` bounds are the request model's (3600..2592000 s)."""
     req = parse_request(BatchCreateRequest, body, strict=strict)
+    return req, check_request(req, max_window_hours=max_window_hours)
+
+
+def check_request(req: BatchCreateRequest, *, max_window_hours: int) -> int:
+    """Check a parsed create request: the endpoint, the window and the metadata, in that order. Returns the window
+    in hours; raises 400 naming the param."""
     check_endpoint(req.endpoint)
     hours = window_hours(req.completion_window, max_window_hours)
     check_metadata(req.metadata)
-    return req, hours
+    return hours
 
 
 def not_found(batch_id: str) -> NotFoundError:
@@ -189,55 +195,89 @@ async def create_batch(
     pack_default: bool,
     prices: PriceTable | None = None,
 ) -> dict[str, Any]:
-    """Create a batch in ``validating`` and return its Batch object (replayed for a retry under the same
-    Idempotency-Key; the caller then wakes the runner).
+    """Create a batch in ``validating`` from a ``POST /v1/batches`` and return its Batch object (replayed for a
+    retry under the same Idempotency-Key; the caller then wakes the runner).
 
-    ``expires_at`` is ``created_at`` + the window; ``pack`` defaults to ``pack_default`` (``BATCH_PACK_DEFAULT``).
-    The batch belongs to the calling key and keeps the batch prices of ``prices`` as they are now.
-    Raises 400 for the Idempotency-Key, the JSON, the body (:func:`check`) and the input file
-    (:func:`check_input_file`; another key's file is "no file"); 409 for an Idempotency-Key conflict; 402
-    ``insufficient_quota`` for a key whose balance is used up and 429 for a key at a queue quota
-    (:func:`~miserver.services.accounts.check_batch_create`). Nothing is created on error.
+    Raises 400 for the Idempotency-Key and the JSON (:func:`check`), 409 for an Idempotency-Key conflict, and what
+    :func:`insert_checked` raises. Nothing is created on error.
     """
     request = Keyed(accounts.keyed_route("batches"), check_key(form.idempotency_key), form.fingerprint())
-    principal = accounts.current()
 
     async def create(conn: AsyncConnection) -> dict[str, Any]:
         req, hours = check(decode_json(form.raw), strict=form.strict, max_window_hours=max_window_hours)
-        await check_batch_create(conn, principal)
-        created = now()
-        record = await store_files.get_file(conn, req.input_file_id, lock=True)
-        visible = record if record is not None and accounts.visible(record.owner_key_id) else None
-        check_input_file(visible, req.input_file_id, created)
-        if not req.millm_allow_late:
-            await check_on_time(
-                conn,
-                input_file_id=req.input_file_id,
-                endpoint=req.endpoint,
-                priority=req.priority or 0,
-                window_seconds=hours * 3600,
-            )
-        batch = await store_batches.insert_batch(
-            conn,
-            batch_id=ordered_id("batch_"),
-            endpoint=req.endpoint,
-            input_file_id=req.input_file_id,
-            completion_window=req.completion_window,
-            created_at=created,
-            expires_at=created + hours * 3600,
-            metadata=req.metadata,
-            pack=pack_default if req.pack is None else req.pack,
-            output_expires_seconds=req.output_expires_after.seconds if req.output_expires_after else None,
-            caller_lease=form.caller_lease,
-            weights_revision=req.weights_revision,
-            priority=req.priority or 0,
-            allow_late=bool(req.millm_allow_late),
-            owner_key_id=principal.owner,
-            prices=prices.batch_snapshot() if prices is not None and prices.enabled else None,
+        return await insert_checked(
+            conn, req, hours, caller_lease=form.caller_lease, pack_default=pack_default, prices=prices
         )
-        return batch_object(batch)
 
     return await create_once(store, request, create)
+
+
+async def create_batch_request(
+    store: Store,
+    req: BatchCreateRequest,
+    *,
+    max_window_hours: int,
+    pack_default: bool,
+    prices: PriceTable | None = None,
+) -> dict[str, Any]:
+    """Create a batch from a request built in-process (the console's form) and return its Batch object: the checks
+    of :func:`check_request`, then :func:`insert_checked`, in one transaction. Raises what they raise; nothing is
+    created on error."""
+    hours = check_request(req, max_window_hours=max_window_hours)
+    async with store.tx() as conn:
+        return await insert_checked(conn, req, hours, caller_lease=None, pack_default=pack_default, prices=prices)
+
+
+async def insert_checked(
+    conn: AsyncConnection,
+    req: BatchCreateRequest,
+    hours: int,
+    *,
+    caller_lease: str | None,
+    pack_default: bool,
+    prices: PriceTable | None,
+) -> dict[str, Any]:
+    """Insert a checked create request (its window ``hours``) as a batch in ``validating``; returns its Batch object.
+
+    ``expires_at`` is ``created_at`` + the window; ``pack`` defaults to ``pack_default`` (``BATCH_PACK_DEFAULT``).
+    The batch belongs to the calling key and keeps the batch prices of ``prices`` as they are now.
+    Raises 400 for the input file (:func:`check_input_file`; another key's file is "no file") and for a batch that
+    cannot finish in its window; 402 ``insufficient_quota`` for a key whose balance is used up and 429 for a key at
+    a queue quota (:func:`~miserver.services.accounts.quotas.check_batch_create`).
+    """
+    principal = accounts.current()
+    await check_batch_create(conn, principal)
+    created = now()
+    record = await store_files.get_file(conn, req.input_file_id, lock=True)
+    visible = record if record is not None and accounts.visible(record.owner_key_id) else None
+    check_input_file(visible, req.input_file_id, created)
+    if not req.millm_allow_late:
+        await check_on_time(
+            conn,
+            input_file_id=req.input_file_id,
+            endpoint=req.endpoint,
+            priority=req.priority or 0,
+            window_seconds=hours * 3600,
+        )
+    batch = await store_batches.insert_batch(
+        conn,
+        batch_id=ordered_id("batch_"),
+        endpoint=req.endpoint,
+        input_file_id=req.input_file_id,
+        completion_window=req.completion_window,
+        created_at=created,
+        expires_at=created + hours * 3600,
+        metadata=req.metadata,
+        pack=pack_default if req.pack is None else req.pack,
+        output_expires_seconds=req.output_expires_after.seconds if req.output_expires_after else None,
+        caller_lease=caller_lease,
+        weights_revision=req.weights_revision,
+        priority=req.priority or 0,
+        allow_late=bool(req.millm_allow_late),
+        owner_key_id=principal.owner,
+        prices=prices.batch_snapshot() if prices is not None and prices.enabled else None,
+    )
+    return batch_object(batch)
 
 
 def check_list(limit: int) -> None:
