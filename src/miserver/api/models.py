@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from ..protocol.parsing import parse_request
 from ..protocol.server import Catalogue, ModelList, ModelLoaded, ModelLoadRequest, ModelObject, ModelUnloaded
 from ..services.accounts.keys import require_admin
-from ..services.inference import routing as gateway
+from ..services.inference import routing
 from .common import json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
@@ -24,14 +24,14 @@ def _model(model_id: str, created: int) -> dict[str, Any]:
 @documented(ok=ModelList)
 async def list_models(request: Request) -> dict[str, Any]:
     st = state(request)
-    return ModelList(data=[ModelObject(**m) for m in gateway.list_models(st.ctx, st.started_at)]).model_dump()
+    return ModelList(data=[ModelObject(**m) for m in routing.list_models(st.ctx, st.started_at)]).model_dump()
 
 
 @router.get("/v1/models/{model_id:path}")
 @documented(ok=ModelObject, errors=LOOKUP_ERRORS)
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     st = state(request)
-    listed = next((m for m in gateway.list_models(st.ctx, st.started_at) if m["id"] == model_id), None)
+    listed = next((m for m in routing.list_models(st.ctx, st.started_at) if m["id"] == model_id), None)
     if listed is not None:
         return ModelObject(**listed).model_dump()
     st.ctx.resolve_model(model_id)  # raises 404 model_not_found with the same message as inference

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from ...clock import now
@@ -26,7 +25,7 @@ from ...protocol.chat import (
 )
 from ...protocol.common import ChatTokenLogprob, TopLogprob, Usage
 from ...protocol.parsing import carried_fields, parse_request
-from . import routing as gateway
+from . import routing
 from .checks import (
     check_context,
     check_max_tokens,
@@ -60,7 +59,7 @@ UNSUPPORTED_FIELDS = (
 def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine | UpstreamPool]:
     """Parse and check a request body without running it (batch validation calls this): :func:`check_local`, or,
     for a model served by an upstream pool, :func:`parse` and the upstream context check (returns the pool)."""
-    return gateway.route_check(ctx, body, strict, parse, check_local)
+    return routing.route_check(ctx, body, strict, parse, check_local)
 
 
 def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine]:
@@ -172,9 +171,9 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     as generation does; any other through ``Engine.generate``. A model served by an upstream pool goes there
     (:func:`~miserver.services.inference.routing.create`).
     """
-    pool = gateway.target(ctx, body)
+    pool = routing.target(ctx, body)
     if pool is not None:
-        return await gateway.create(ctx, pool, "/v1/chat/completions", parse(body, strict=call.strict), body, call)
+        return await routing.create(ctx, pool, "/v1/chat/completions", parse(body, strict=call.strict), body, call)
     p = _prepare(ctx, body, call)
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
@@ -221,10 +220,11 @@ PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
 
 
 def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
-    """Many rows at once (the batch runner's one call): with ``plan`` None each row as :func:`create` computes it;
-    with a planner (``pack: true``) scoring rows in the packs it makes (``Engine.score_many``), other rows one at a
-    time. Yields every row at most once (see :func:`~miserver.services.inference.many.run_many`)."""
-    return gateway.create_many(ctx, "/v1/chat/completions", parse, partial(run_many, PACKING), bodies, call, plan)
+    """Many rows of the resident engine at once (the registry routes upstream rows first, see
+    ``upstream_rows.routed_many``): with ``plan`` None each row as :func:`create` computes
+    it; with a planner (``pack: true``) scoring rows in the packs it makes (``Engine.score_many``), other rows one at
+    a time. Yields every row at most once (see :func:`~miserver.services.inference.many.run_many`)."""
+    return run_many(PACKING, ctx, bodies, call, plan)
 
 
 async def _stream(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 from ...clock import now
@@ -22,7 +21,7 @@ from ...ids import random_id
 from ...protocol.common import Usage
 from ...protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from ...protocol.parsing import carried_fields, parse_request
-from . import routing as gateway
+from . import routing
 from .checks import check_context, check_stop, check_stream_options, refuse_unsupported
 from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
@@ -34,7 +33,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
 def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRequest, Engine | UpstreamPool]:
     """Parse and check a request body without running it (batch validation calls this): :func:`check_local`, or,
     for a model served by an upstream pool, :func:`parse` and the upstream context check (returns the pool)."""
-    return gateway.route_check(ctx, body, strict, parse, check_local)
+    return routing.route_check(ctx, body, strict, parse, check_local)
 
 
 def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRequest, Engine]:
@@ -217,9 +216,9 @@ def _build(p: _Prepared, results: list[ScoreResult]) -> ServiceResult:
 async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
     """Run a text completion over every prompt of the request (choices indexed prompt-major, then ``n``); a model
     served by an upstream pool goes there (:func:`~miserver.services.inference.routing.create`)."""
-    pool = gateway.target(ctx, body)
+    pool = routing.target(ctx, body)
     if pool is not None:
-        return await gateway.create(ctx, pool, "/v1/completions", parse(body, strict=call.strict), body, call)
+        return await routing.create(ctx, pool, "/v1/completions", parse(body, strict=call.strict), body, call)
     p = _prepare(ctx, body, call)
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
@@ -249,9 +248,11 @@ PACKING: Packing[_Prepared, ScoreRequest, ScoreResult] = Packing(
 
 
 def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
-    """Many rows at once (a ``pack: true`` batch): every prompt of every scoring-mode row in the packs ``plan``
-    makes (``Engine.score_many``); other rows one at a time through :func:`create`. Yields every row once."""
-    return gateway.create_many(ctx, "/v1/completions", parse, partial(run_many, PACKING), bodies, call, plan)
+    """Many rows of the resident engine at once (the registry routes upstream rows first, see
+    ``upstream_rows.routed_many``): in a ``pack: true`` batch every prompt of every
+    scoring-mode row in the packs ``plan`` makes (``Engine.score_many``); other rows one at a time through
+    :func:`create`. Yields every row once."""
+    return run_many(PACKING, ctx, bodies, call, plan)
 
 
 async def _stream(

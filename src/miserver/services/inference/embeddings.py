@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,7 @@ from ...engines.upstream import UpstreamPool
 from ...errors import InvalidRequestError, UnsupportedParameterError
 from ...protocol.embeddings import MAX_INPUTS, CreateEmbeddingResponse, Embedding, EmbeddingRequest, EmbeddingUsage
 from ...protocol.parsing import parse_request
-from . import routing as gateway
+from . import routing
 from .checks import check_context
 from .context import Call, ServiceContext, ServiceResult, StreamResult, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
@@ -31,7 +30,7 @@ from .many import Outcome, Packing, Plan, run_many
 def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[EmbeddingRequest, Engine | UpstreamPool]:
     """Parse and check a request body without running it (batch validation calls this): :func:`check_local`, or,
     for a model served by an upstream pool, :func:`parse` and the upstream context check (returns the pool)."""
-    return gateway.route_check(ctx, body, strict, parse, check_local)
+    return routing.route_check(ctx, body, strict, parse, check_local)
 
 
 def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[EmbeddingRequest, Engine]:
@@ -132,9 +131,9 @@ def _build(p: _Prepared, vectors: list[Vector]) -> ServiceResult:
 async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
     """Embed every input of the request, each alone; a model served by an upstream pool goes there
     (:func:`~miserver.services.inference.routing.create`, never a stream: an embedding request has no ``stream``)."""
-    pool = gateway.target(ctx, body)
+    pool = routing.target(ctx, body)
     if pool is not None:
-        return await gateway.create(ctx, pool, "/v1/embeddings", parse(body, strict=call.strict), body, call)
+        return await routing.create(ctx, pool, "/v1/embeddings", parse(body, strict=call.strict), body, call)
     return await _execute(ctx, _prepare(ctx, body, call), call)
 
 
@@ -156,6 +155,7 @@ PACKING: Packing[_Prepared, PoolRequest, Vector] = Packing(
 
 
 def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
-    """Many rows at once (a ``pack: true`` batch): every input of every row in the packs ``plan`` makes
-    (``Engine.embed_many``). A row refused at checking fails alone. Yields every row once."""
-    return gateway.create_many(ctx, "/v1/embeddings", parse, partial(run_many, PACKING), bodies, call, plan)
+    """Many rows of the resident engine at once (the registry routes upstream rows first, see
+    ``upstream_rows.routed_many``): in a ``pack: true`` batch every input of every row in
+    the packs ``plan`` makes (``Engine.embed_many``). A row refused at checking fails alone. Yields every row once."""
+    return run_many(PACKING, ctx, bodies, call, plan)
