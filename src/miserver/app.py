@@ -54,12 +54,14 @@ def _error_response(exc: APIError, path: str = "") -> JSONResponse:
 
 
 class ServerErrors:
-    """ASGI middleware: an unhandled exception becomes the OpenAI 500 envelope, sent as an ordinary response.
+    """ASGI middleware: an unhandled exception becomes the OpenAI 500 envelope, sent as an ordinary response, and
+    never costs the client its keep-alive connection.
 
-    Starlette's own last-resort handler sends its 500 and then re-raises, and uvicorn answers a re-raised exception
-    by closing the connection: the client's next request on that keep-alive connection would fail. Here the
-    exception ends with the response. Only when the response had already started (a stream cut short) is there
-    nothing left to say, and the exception goes on.
+    Starlette's own last-resort handler (the console's, a mounted application, has one too) sends its 500 and then
+    re-raises, and uvicorn answers a re-raised exception by closing the connection: the client's next request on
+    that connection would fail. Here the exception ends with the response: before anything was sent, the 500
+    envelope is sent; after a whole response was sent, the exception is logged and goes no further. Only a response
+    cut short (a stream that started and failed) lets the exception go on, since nothing can end that response.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -69,16 +71,20 @@ class ServerErrors:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = ended = False
 
         async def watch(message: Message) -> None:
-            nonlocal started
+            nonlocal started, ended
             started = started or message["type"] == "http.response.start"
+            ended = ended or (message["type"] == "http.response.body" and not message.get("more_body", False))
             await send(message)
 
         try:
             await self.app(scope, receive, watch)
         except Exception as exc:
+            if ended:
+                log.error("unhandled error after the response was sent", exc_info=exc)
+                return
             if started:
                 raise
             log.exception("unhandled error", exc_info=exc)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,25 @@ def test_download_both_files_equal_the_api_bytes(console: Console) -> None:
     page.get_by_role("button", name="Find").click()
     assert page.locator("#results tbody tr").count() == 1
     assert "n3" in page.locator("#results tbody").inner_text()
+
+
+def test_a_download_named_in_any_script_keeps_its_name_on_both_routes(console: Console) -> None:
+    """A file named outside Latin-1 downloads (200, not 500) from the console and from the API, under its own name
+    (RFC 6266 ``filename*``) with an ASCII fallback, and the keep-alive connection serves the next request."""
+    name = "données_測試_😀.jsonl"
+    data = jsonl([line("u1", chat_body("hello", max_tokens=1))])
+    uploaded = console.client.files.create(file=(name, data), purpose="batch")
+    got = console.page.request.get(console.url(f"/console/files/{uploaded.id}/content"))
+    assert got.status == 200 and got.body() == data
+    with httpx.Client(base_url=console.server.base_url, headers={"Authorization": f"Bearer {console.member}"}) as http:
+        api = http.get(f"/v1/files/{uploaded.id}/content")
+        again = http.get(f"/v1/files/{uploaded.id}")
+    assert api.status_code == 200 and api.content == data and again.status_code == 200
+    for disposition in (got.headers["content-disposition"], api.headers["content-disposition"]):
+        fallback = re.fullmatch(r'attachment; filename="([^"]*)"; filename\*=UTF-8\'\'(\S+)', disposition)
+        assert fallback, disposition
+        assert fallback.group(1).isascii() and fallback.group(1).endswith(".jsonl")
+        assert urllib.parse.unquote(fallback.group(2)) == name
 
 
 def test_usage_page(console: Console) -> None:

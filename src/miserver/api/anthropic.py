@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..http_headers import header_values
 from ..protocol.anthropic import (
     DeletedMessageBatch,
     Message,
@@ -50,9 +51,9 @@ async def create_message(request: Request) -> Response:
             async for frame in events:
                 yield frame + "\n\n"
 
-        headers = {**result.headers, "Cache-Control": "no-cache"}
+        headers = {**header_values(result.headers), "Cache-Control": "no-cache"}
         return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
-    return JSONResponse(result.body, status_code=result.status_code, headers=result.headers)
+    return JSONResponse(result.body, status_code=result.status_code, headers=header_values(result.headers))
 
 
 # -- Message Batches: the same durable batches as /v1/batches (services/batch_api/message_batches.py) ------------------

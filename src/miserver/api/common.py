@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import InvalidRequestError
+from ..http_headers import header_values
 from ..jobs.background import BackgroundJobs
 from ..model_lease import is_token
 from ..services.inference.checks import decode_json
@@ -114,6 +115,8 @@ def to_response(result: ServiceResult | StreamResult) -> Response:
                 yield f"data: {payload}\n\n"
 
         return StreamingResponse(
-            sse(), media_type="text/event-stream", headers={**result.headers, "Cache-Control": "no-cache"}
+            sse(),
+            media_type="text/event-stream",
+            headers={**header_values(result.headers), "Cache-Control": "no-cache"},
         )
-    return JSONResponse(result.body, status_code=result.status_code, headers=result.headers)
+    return JSONResponse(result.body, status_code=result.status_code, headers=header_values(result.headers))

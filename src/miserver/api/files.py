@@ -8,9 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from ..http_headers import content_disposition
 from ..protocol.batches import BatchInputLine, BatchOutputLine
 from ..protocol.files import FileDeleted, FileList, FileObject, FileUploadForm
 from ..services.batch_api import files as service
+from ..services.batch_api.files import download_name
 from .common import list_object, state
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 from .upload import receive_batch_upload
@@ -68,7 +70,8 @@ async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:
 async def file_content(file_id: str, request: Request) -> Response:
     """The exact bytes, streamed as ``application/jsonl``; 404 ``file_expired`` once the content is gone."""
     record, content = await service.open_content(state(request).store, file_id)
-    return StreamingResponse(content, media_type="application/jsonl", headers={"Content-Length": str(record.bytes)})
+    headers = {"Content-Length": str(record.bytes), "Content-Disposition": content_disposition(download_name(record))}
+    return StreamingResponse(content, media_type="application/jsonl", headers=headers)
 
 
 @router.delete("/v1/files/{file_id}")

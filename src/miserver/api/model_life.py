@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..errors import InvalidRequestError
+from ..http_headers import header_value
 from ..protocol.model_life import (
     CatalogueAdded,
     CatalogueAddRequest,
@@ -37,7 +38,7 @@ SAFETENSORS_TYPES = ("application/octet-stream", "application/safetensors")
 
 def _answer(body: dict[str, Any]) -> JSONResponse:
     revision = body.get("weights_revision")
-    headers = {"X-miLLM-Weights": revision} if isinstance(revision, str) else {}
+    headers = {"X-miLLM-Weights": header_value(revision)} if isinstance(revision, str) else {}
     return JSONResponse(body, headers=headers)
 
 

@@ -8,9 +8,11 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 
+from ...http_headers import content_disposition
 from ...protocol.batches import BATCH_STATUSES
 from ...services.batch_api import batches as batches_service
 from ...services.batch_api import files, job_search
+from ...services.batch_api.files import download_name
 from ..state import console_state, safe_next
 from .render import check_csrf, key_choices, render, whole_number
 
@@ -65,9 +67,11 @@ async def cancel(request: Request, batch_id: str) -> Response:
 async def download(request: Request, file_id: str) -> Response:
     """A file's exact bytes as a download (``Content-Disposition: attachment``)."""
     record, content = await files.open_content(console_state(request).app_state.store, file_id)
-    name = (record.filename or f"{file_id}.jsonl").replace('"', "")
     return StreamingResponse(
         content,
         media_type="application/jsonl",
-        headers={"Content-Length": str(record.bytes), "Content-Disposition": f'attachment; filename="{name}"'},
+        headers={
+            "Content-Length": str(record.bytes),
+            "Content-Disposition": content_disposition(download_name(record)),
+        },
     )

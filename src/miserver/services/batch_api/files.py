@@ -216,6 +216,11 @@ async def retrieve_file(store: Store, file_id: str) -> dict[str, Any]:
     return file_object(await get_record(store, file_id))
 
 
+def download_name(record: FileRecord) -> str:
+    """The name a download of the file is saved under: the name it was uploaded with, else ``<file id>.jsonl``."""
+    return record.filename or f"{record.id}.jsonl"
+
+
 async def open_content(store: Store, file_id: str) -> tuple[FileRecord, AsyncIterator[bytes]]:
     """The record and an iterator of the file's exact bytes (1 MiB pieces, one short read each).
 
