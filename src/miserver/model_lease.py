@@ -3,6 +3,10 @@
 A lease is held in the memory of the process that owns the engine, so a restart ends every lease, as the contract
 asks. Load, unload, weight writes and checkpoint operations need the lease when one is held; a running batch holds
 one (holder ``millm-batch:<id>``) or runs under the lease its caller handed it.
+
+A lease belongs to the key that took it (``owner``; a batch's own lease to the batch's owner). Its holder names an
+object of that tenant, so anyone else reads it as a neutral word (:func:`shown_holder`), in error messages too, and
+the same holder name renews a lease only for its owner.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 from .errors import ConflictError, InvalidRequestError, NotFoundError
 
 BATCH_HOLDER_PREFIX = "millm-batch:"
+#: What another tenant reads for a batch's own lease holder, and for any other holder.
+NEUTRAL_BATCH_HOLDER = "millm-batch"
+NEUTRAL_HOLDER = "another holder"
 #: The form of every lease token :meth:`LeaseManager.acquire` hands out (``lease_`` and 24 hex digits).
 TOKEN_FORM = re.compile(r"lease_[0-9a-f]{24}")
 MIN_TTL_SECONDS = 1
@@ -24,12 +31,14 @@ MAX_TTL_SECONDS = 86_400
 
 @dataclass(frozen=True)
 class Lease:
-    """``lease`` is the token a holder sends back (``X-miLLM-Lease``); ``expires_at`` is Unix seconds (float)."""
+    """``lease`` is the token a holder sends back (``X-miLLM-Lease``); ``expires_at`` is Unix seconds (float);
+    ``owner`` is the key id that took it (None on a server with no keys)."""
 
     lease: str
     holder: str
     ttl_seconds: float
     expires_at: float
+    owner: str | None = None
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -38,6 +47,15 @@ class Lease:
             "ttl_seconds": self.ttl_seconds,
             "expires_at": int(self.expires_at),
         }
+
+
+def shown_holder(lease: Lease, scope: str | None) -> str:
+    """The holder of ``lease`` as a caller whose owner filter is ``scope`` may read it: as it is when ``scope`` is
+    None (an admin, or a server with no keys) or the lease is the caller's own; else :data:`NEUTRAL_BATCH_HOLDER` for
+    a batch's own lease and :data:`NEUTRAL_HOLDER` for any other, so that no tenant learns another's ids."""
+    if scope is None or lease.owner == scope:
+        return lease.holder
+    return NEUTRAL_BATCH_HOLDER if lease.holder.startswith(BATCH_HOLDER_PREFIX) else NEUTRAL_HOLDER
 
 
 def new_token() -> str:
@@ -71,23 +89,25 @@ class LeaseManager:
             self._lease = None
         return self._lease
 
-    def acquire(self, holder: str, ttl_seconds: float) -> Lease:
-        """Take the lease for ``holder``. The same holder taking it again renews it.
+    def acquire(self, holder: str, ttl_seconds: float, owner: str | None = None) -> Lease:
+        """Take the lease for ``holder`` on behalf of the key ``owner``. The same holder of the same owner taking it
+        again renews it.
 
-        Raises :class:`ConflictError` (409 ``lease_held``) while another holder's lease is live.
+        Raises :class:`ConflictError` (409 ``lease_held``) while another holder's lease, or another owner's, is live;
+        the message names the holder only to its owner (:func:`shown_holder`).
         """
         if not holder:
             raise InvalidRequestError("Invalid 'holder': a non-empty string is required.", param="holder")
         ttl = check_ttl(ttl_seconds)
         live = self.current()
-        if live is not None and live.holder != holder:
+        if live is not None and (live.holder != holder or live.owner != owner):
             raise ConflictError(
-                f"The model is leased by '{live.holder}' until {int(live.expires_at)}.",
+                f"The model is leased by '{shown_holder(live, owner)}' until {int(live.expires_at)}.",
                 param="holder",
                 code="lease_held",
             )
         token = live.lease if live is not None else new_token()
-        self._lease = Lease(token, holder, ttl, self._clock() + ttl)
+        self._lease = Lease(token, holder, ttl, self._clock() + ttl, owner)
         return self._lease
 
     def get(self, lease: str) -> Lease:
@@ -101,7 +121,7 @@ class LeaseManager:
         """Push the live lease's expiry ``ttl_seconds`` (default: its own TTL) from now."""
         live = self.get(lease)
         ttl = check_ttl(ttl_seconds) if ttl_seconds is not None else live.ttl_seconds
-        self._lease = Lease(live.lease, live.holder, ttl, self._clock() + ttl)
+        self._lease = Lease(live.lease, live.holder, ttl, self._clock() + ttl, live.owner)
         return self._lease
 
     def release(self, lease: str) -> None:
@@ -109,12 +129,13 @@ class LeaseManager:
         self.get(lease)
         self._lease = None
 
-    def require(self, lease: str | None) -> None:
-        """For load, unload and weight operations: when a lease is held, the caller must present it (409 otherwise)."""
+    def require(self, lease: str | None, owner: str | None = None) -> None:
+        """For load, unload and weight operations: when a lease is held, the caller (the key ``owner``) must present
+        it (409 otherwise; the message names the holder only to its owner)."""
         live = self.current()
         if live is not None and live.lease != lease:
             raise ConflictError(
-                f"The model is leased by '{live.holder}'; send its lease in X-miLLM-Lease.",
+                f"The model is leased by '{shown_holder(live, owner)}'; send its lease in X-miLLM-Lease.",
                 param="X-miLLM-Lease",
                 code="lease_held",
             )

@@ -21,6 +21,7 @@ from miserver.errors import (
     NotFoundError,
     UnknownParameterError,
 )
+from miserver.services.accounts.keys import Principal, acting_as
 from miserver.services.batch_api import batches as batches_service
 from miserver.services.batch_api import files as files_service
 from miserver.services.batch_api.batches import BatchCreate, check, check_input_file, window_hours
@@ -414,6 +415,21 @@ async def test_delete_refused_while_a_batch_needs_the_file(sqlite_store: Store, 
         await files_service.delete_file(sqlite_store, file_id)
     check_error(info, "file_id", "file_in_use")
     assert str(batch["id"]) in info.value.message
+
+
+async def test_a_refused_delete_names_another_keys_batch_neutrally(
+    sqlite_store: Store, tmp_path: Path, clock: Clock
+) -> None:
+    """A member's file read by an admin's batch: the member learns that a batch reads it, not that batch's id."""
+    member = Principal(key_id="key_member", name="member", admin=False)
+    with acting_as(member):
+        file_id = str((await create_file(sqlite_store, upload(spool(tmp_path, b"{}\n"))))["id"])
+    with acting_as(Principal(key_id="key_admin", name="admin", admin=True)):
+        batch = await create_batch(sqlite_store, batch_form(file_id))
+    with acting_as(member), pytest.raises(ConflictError) as info:
+        await files_service.delete_file(sqlite_store, file_id)
+    check_error(info, "file_id", "file_in_use")
+    assert str(batch["id"]) not in info.value.message and "another key's batch" in info.value.message
 
 
 async def test_cancel(sqlite_store: Store, tmp_path: Path, clock: Clock) -> None:

@@ -52,6 +52,6 @@ async def health_detailed(request: Request) -> dict[str, Any]:
             "context_length": engine.info.context_length,
         },
         "loading": st.ctx.loading,
-        "lease": accounts.shown_lease(lease.as_json()) if lease else None,  # the token for admins only
+        "lease": accounts.shown_lease(lease) if lease else None,  # the token for admins only
         "upstreams": [] if st.ctx.gateway is None else accounts.shown_upstreams(st.ctx.gateway.status()),
     }

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..errors import InvalidRequestError
+from ..model_lease import BATCH_HOLDER_PREFIX
 from ..protocol.batches import Batch
 from ..protocol.parsing import parse_request
 from ..protocol.server import LeaseObject, LeaseReleased, LeaseRequest, RenewRequest
@@ -24,7 +25,7 @@ async def current_lease(request: Request) -> dict[str, Any]:
     """The live lease, or ``{"lease": null}``. Its token is shown to admin keys only (accounts): another key
     sees the holder and the expiry, never the token that would let it renew or release another's lease."""
     live = state(request).ctx.leases.current()
-    return accounts.shown_lease(live.as_json()) if live else {"lease": None, "holder": None, "expires_at": None}
+    return accounts.shown_lease(live) if live else {"lease": None, "holder": None, "expires_at": None}
 
 
 @router.post("/api/lease")
@@ -32,7 +33,11 @@ async def current_lease(request: Request) -> dict[str, Any]:
 async def take_lease(request: Request) -> dict[str, Any]:
     """``{holder, ttl_seconds}`` -> ``{lease, holder, expires_at}``; 409 ``lease_held`` while another holder has it."""
     req = parse_request(LeaseRequest, await json_body(request), strict=strict_mode(request))
-    return state(request).ctx.leases.acquire(req.holder, req.ttl_seconds).as_json()
+    if req.holder.startswith(BATCH_HOLDER_PREFIX):
+        raise InvalidRequestError(
+            f"Invalid 'holder': names starting with {BATCH_HOLDER_PREFIX!r} are the batches' own.", param="holder"
+        )
+    return state(request).ctx.leases.acquire(req.holder, req.ttl_seconds, accounts.current().owner).as_json()
 
 
 @router.post("/api/lease/{lease}/renew")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model_lease import BATCH_HOLDER_PREFIX, LeaseManager
+from ..model_lease import BATCH_HOLDER_PREFIX, LeaseManager, shown_holder
 from ..services.inference.context import ServiceContext
 from ..store.batches import BatchRecord
 
@@ -53,12 +53,12 @@ def readiness(
         return Readiness(None, renewed.holder, renewed.lease)
     own = own_holder(batch.id)
     if live is None or live.holder == own:
-        lease = leases.acquire(own, lease_ttl_seconds)
+        lease = leases.acquire(own, lease_ttl_seconds, batch.owner_key_id)
         return Readiness(None, lease.holder, lease.lease)
     if live.holder.startswith(BATCH_HOLDER_PREFIX):
         if take_over:
             leases.release(live.lease)
-            lease = leases.acquire(own, lease_ttl_seconds)
+            lease = leases.acquire(own, lease_ttl_seconds, batch.owner_key_id)
             return Readiness(None, lease.holder, lease.lease)
         return Readiness("queued")
     return Readiness("lease_unavailable")
@@ -82,11 +82,12 @@ def release_own_lease(ctx: ServiceContext, batch_id: str) -> None:
 
 
 def foreign_lease_holder(ctx: ServiceContext, batch: BatchRecord) -> str | None:
-    """The holder of a live lease that is neither a batch's nor the one this batch's caller handed it."""
+    """The holder of a live lease that is neither a batch's nor the one this batch's caller handed it, as the
+    batch's owner may read it (another tenant's holder is a neutral word, :func:`shown_holder`)."""
     live = ctx.leases.current()
     if live is None or live.holder.startswith(BATCH_HOLDER_PREFIX) or live.lease == batch.caller_lease:
         return None
-    return live.holder
+    return shown_holder(live, batch.owner_key_id)
 
 
 def release_lease_of_finished(ctx: ServiceContext, active: set[str]) -> None:

@@ -171,14 +171,23 @@ async def list_files(
     return rows[:limit], len(rows) > limit
 
 
-async def referencing_active_batch(conn: AsyncConnection, file_id: str) -> str | None:
-    """The id of a non-terminal batch that reads ``file_id`` as its input, if any."""
+@dataclass(frozen=True)
+class ReadingBatch:
+    """A batch that reads a file: its id and the key that owns it (None on a server with no keys)."""
+
+    id: str
+    owner_key_id: str | None
+
+
+async def referencing_active_batch(conn: AsyncConnection, file_id: str) -> ReadingBatch | None:
+    """A non-terminal batch that reads ``file_id`` as its input, if any."""
     q = (
-        select(batches.c.id)
+        select(batches.c.id, batches.c.owner_key_id)
         .where(batches.c.input_file_id == file_id, batches.c.status.not_in(TERMINAL_STATUSES))
         .limit(1)
     )
-    return (await conn.execute(q)).scalar()
+    row = (await conn.execute(q)).first()
+    return None if row is None else ReadingBatch(row.id, row.owner_key_id)
 
 
 async def delete_file(conn: AsyncConnection, file_id: str) -> bool:

@@ -36,6 +36,7 @@ from ...errors import (
     PermissionDeniedError,
 )
 from ...ids import ordered_id
+from ...model_lease import Lease, shown_holder
 from ...protocol.accounts import KeyCreateRequest, KeyObject, TopUpRequest
 from ...protocol.parsing import parse_request
 from ...store import Store
@@ -112,10 +113,14 @@ def keyed_route(route: str) -> str:
     return route if owner is None else f"{route}:{owner}"
 
 
-def shown_lease(lease: dict[str, Any]) -> dict[str, Any]:
-    """A lease object as the current caller may see it: whole for an admin; without its token (``lease: null``) for
-    any other key, so that it cannot renew or release another holder's lease."""
-    return lease if current().admin else {**lease, "lease": None}
+def shown_lease(lease: Lease) -> dict[str, Any]:
+    """A lease as the current caller may see it (JSON-ready): whole for an admin; for any other key without its
+    token (``lease: null``), so that it cannot renew or release another holder's lease, and with another tenant's
+    holder read as a neutral word (:func:`~miserver.model_lease.shown_holder`)."""
+    shown = lease.as_json()
+    if current().admin:
+        return shown
+    return {**shown, "lease": None, "holder": shown_holder(lease, scope())}
 
 
 def shown_upstreams(upstreams: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -242,10 +242,11 @@ async def delete_file(store: Store, file_id: str) -> dict[str, Any]:
         record = await store_files.get_file(conn, file_id, lock=True)  # a batch create waits for this delete
         if record is None or not accounts.visible(record.owner_key_id):
             raise not_found(file_id)
-        batch_id = await store_files.referencing_active_batch(conn, file_id)
-        if batch_id is not None:
+        reading = await store_files.referencing_active_batch(conn, file_id)
+        if reading is not None:
+            which = f"batch {reading.id}" if accounts.visible(reading.owner_key_id) else "another key's batch"
             raise ConflictError(
-                f"The file {file_id} is the input of batch {batch_id}, which has not finished.",
+                f"The file {file_id} is the input of {which}, which has not finished.",
                 param="file_id",
                 code="file_in_use",
             )

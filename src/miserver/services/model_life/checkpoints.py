@@ -20,6 +20,7 @@ from typing import Any
 from ...clock import now
 from ...errors import ConflictError, InvalidRequestError, MissingParameterError, NotFoundError
 from ...scheduling.admission import Priority
+from ...services.accounts import keys as accounts
 from ...store import Store
 from ...store import model_life as store_models
 from ...store.model_life import CheckpointRecord
@@ -106,7 +107,7 @@ class Checkpoints:
         from ...engines.local.loader import folder_revision
         from ...engines.local.weights import save_model
 
-        self.ctx.leases.require(lease)
+        self.ctx.leases.require(lease, accounts.current().owner)
         new_id = check_new_id(body.get("model") if isinstance(body, dict) else None)
         if isinstance(body, dict):
             unknown = [k for k in body if k != "model"]
@@ -159,7 +160,7 @@ class Checkpoints:
     async def delete(self, lease: str | None, model_id: str) -> dict[str, Any]:
         """Delete a checkpoint's record and folder. Refused with 409 ``checkpoint_resident`` while it is the
         resident model and 409 ``checkpoint_in_use`` while a batch that has not ended names it; 404 when unknown."""
-        self.ctx.leases.require(lease)
+        self.ctx.leases.require(lease, accounts.current().owner)
         record = await self.get(model_id)
         if record is None:
             raise NotFoundError(f"No checkpoint '{model_id}'.", param="model", code="checkpoint_not_found")

@@ -18,6 +18,7 @@ from typing import Any
 from ...engines.base import Engine
 from ...errors import InvalidRequestError, NotFoundError
 from ...scheduling.admission import Priority
+from ...services.accounts import keys as accounts
 from ...settings import Settings
 from ..inference.context import ServiceContext
 from .catalogue import Catalogue
@@ -61,7 +62,7 @@ class Residency:
 
         Raises 409 ``lease_held`` without the held lease, 400 when ``model`` cannot be loaded.
         """
-        self.ctx.leases.require(lease)
+        self.ctx.leases.require(lease, accounts.current().owner)
         checkpoint = await self.checkpoints.get(model)
         entry = None if checkpoint is not None else self.catalogue_.find(model)
         if checkpoint is not None:
@@ -111,7 +112,7 @@ class Residency:
 
     async def unload(self, lease: str | None) -> None:
         """Free the resident model (409 without the held lease, 404 when none is resident); ends an open write."""
-        self.ctx.leases.require(lease)
+        self.ctx.leases.require(lease, accounts.current().owner)
         if self.ctx.engine is None:
             raise NotFoundError("No model is resident.", param="model", code="model_not_resident")
         self.weights.end_for_swap()

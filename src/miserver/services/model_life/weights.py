@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ...clock import now
 from ...errors import ConflictError, InvalidRequestError, MissingParameterError
 from ...scheduling.admission import Priority, Slot
+from ...services.accounts import keys as accounts
 from ...store import Store
 from ...store import model_life as store_models
 from ..inference.context import ServiceContext
@@ -113,7 +114,7 @@ class WeightWrites:
         """
         from ...engines.local.weights import WriteSession
 
-        self.ctx.leases.require(lease)
+        self.ctx.leases.require(lease, accounts.current().owner)
         engine = local_engine(self.ctx)
         if self.open is not None:
             raise self._already_open()
@@ -137,7 +138,7 @@ class WeightWrites:
         )
 
     def _require_open(self, lease: str | None) -> tuple[OpenWrite, LocalEngine]:
-        self.ctx.leases.require(lease)
+        self.ctx.leases.require(lease, accounts.current().owner)
         if self.open is None:
             raise ConflictError(
                 "No weight write is open: POST /api/weights/begin first.", param=None, code="weights_write_not_open"
@@ -194,7 +195,7 @@ class WeightWrites:
         """
         from ...engines.local.weights import next_revision
 
-        self.ctx.leases.require(lease)
+        self.ctx.leases.require(lease, accounts.current().owner)
         if self.open is None:
             engine = self.ctx.require_engine()
             if not self.ctx.weights_torn:
