@@ -280,7 +280,8 @@ def test_line_validation_errors(module_server: ServerProcess) -> None:
         line("bad-type", chat_body("t", max_tokens="two")),  # 14
         line("no-messages", {"model": "tiny", "max_tokens": 2}),  # 15
     ]
-    # line number -> (custom_id in the error line, status, code, param); None = any code accepted from the set
+    # line number -> (custom_id in the error line, status, code, param); None = any code accepted from the set;
+    # a body field is named as OpenAI's Batch API names it (body.<field>)
     expected: dict[int, tuple[str | None, int, str | set[str], str | None]] = {
         2: (None, 400, "invalid_json_line", None),
         3: (None, 400, {"invalid_json_line", "invalid_type"}, None),
@@ -288,11 +289,11 @@ def test_line_validation_errors(module_server: ServerProcess) -> None:
         6: ("ok-1", 400, "duplicate_custom_id", "custom_id"),
         7: ("get", 400, {"invalid_value", "invalid_method"}, "method"),
         8: ("wrong-url", 400, "invalid_url", "url"),
-        10: ("stream", 400, "streaming_unsupported", "stream"),
-        11: ("unknown-field", 400, "unknown_parameter", "frobnicate"),
-        12: ("no-model", 404, "model_not_found", "model"),
-        14: ("bad-type", 400, {"invalid_type", "invalid_value"}, "max_tokens"),
-        15: ("no-messages", 400, "missing_required_parameter", "messages"),
+        10: ("stream", 400, "streaming_unsupported", "body.stream"),
+        11: ("unknown-field", 400, "unknown_parameter", "body.frobnicate"),
+        12: ("no-model", 404, "model_not_found", "body.model"),
+        14: ("bad-type", 400, {"invalid_type", "invalid_value"}, "body.max_tokens"),
+        15: ("no-messages", 400, "missing_required_parameter", "body.messages"),
     }
     done = wait_terminal(client, submit(client, jsonl(raw)).id)
     assert done.status == "completed", done
@@ -323,7 +324,8 @@ def test_line_validation_errors(module_server: ServerProcess) -> None:
         entry = listed[number]
         assert (entry.code, entry.param, entry.message) == (error["code"], error["param"], error["message"])
 
-    # The same body refused by the synchronous route (strict, as batch lines are): same status and error.
+    # The same body refused by the synchronous route (strict, as batch lines are): same status and error, the param
+    # named inside the line's body.
     for number, body in ((11, chat_body("u", frobnicate=1)), (12, chat_body("m", model="no-such-model"))):
         exc = api_error(
             client.chat.completions.create,
@@ -333,7 +335,8 @@ def test_line_validation_errors(module_server: ServerProcess) -> None:
         )
         mine = next(x for x in err_lines if x["millm"]["line"] == number)
         assert exc.status_code == mine["response"]["status_code"]
-        assert error_of(exc) == mine["response"]["body"]["error"]
+        sync = error_of(exc)
+        assert {**sync, "param": f"body.{sync['param']}"} == mine["response"]["body"]["error"]
 
 
 def test_bom_crlf_and_blank_lines(module_server: ServerProcess) -> None:
@@ -407,14 +410,14 @@ def test_model_prefix_names_the_exact_id(quantized_server: ServerProcess) -> Non
     assert err[0]["response"]["status_code"] == 404
     error = err[0]["response"]["body"]["error"]
     assert error["code"] == "model_not_found"
-    assert error["param"] == "model"
+    assert error["param"] == "body.model"  # OpenAI's Batch API form; the message is the synchronous route's
     assert f"'{QUANTIZED_ID}'" in error["message"] or f'"{QUANTIZED_ID}"' in error["message"], error
     assert done.errors is not None and done.errors.data[0].message == error["message"]
     sync = api_error(
         client.chat.completions.create, model=prefix, messages=[{"role": "user", "content": "a"}], max_tokens=2
     )
     assert sync.status_code == 404
-    assert error_of(sync) == error
+    assert {**error_of(sync), "param": "body.model"} == error
 
 
 # -- results ---------------------------------------------------------------------------------------------------
@@ -524,7 +527,7 @@ def test_completions_endpoint_batch(module_server: ServerProcess) -> None:
     assert [x["custom_id"] for x in out] == ["c0", "c1"]
     assert [x["custom_id"] for x in err] == ["c2", "c3"]
     assert err[0]["response"]["body"]["error"]["code"] == "unknown_parameter"
-    assert err[0]["response"]["body"]["error"]["param"] == "messages"
+    assert err[0]["response"]["body"]["error"]["param"] == "body.messages"
     assert err[0]["millm"]["line"] == 3
     sync_err = api_error(client.completions.create, **bodies["c3"])
     assert err[1]["response"]["status_code"] == sync_err.status_code == 400

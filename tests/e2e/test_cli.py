@@ -37,7 +37,7 @@ def test_batch_run_saves_output_and_error_lines(sqlite_module_server: ServerProc
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["good-1", "good-2"]
     failed = [json.loads(x) for x in err.read_text().splitlines()]
     assert [f["custom_id"] for f in failed] == ["bad-1"]
-    assert failed[0]["response"]["body"]["error"]["param"] == "temperature"
+    assert failed[0]["response"]["body"]["error"]["param"] == "body.temperature"
 
     # a second run with no failed row empties the error file instead of leaving the first run's lines there
     source.write_text(json.dumps(rows[0]) + "\n")

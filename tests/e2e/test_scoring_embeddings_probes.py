@@ -265,7 +265,7 @@ def test_probes_create_score_sync_and_in_a_batch(server: ServerProcess) -> None:
         assert out[f"r{i}"]["response"]["millm"]["packed"] is False, "probe rows run one at a time"
         assert out[f"r{i}"]["response"]["body"] == sync[i].json()
     assert sync[2].status_code == 404 and err["r2"]["response"]["body"] == sync[2].json()
-    assert err["named-model"]["response"]["body"]["error"]["param"] == "model"  # probe lines name no model
+    assert err["named-model"]["response"]["body"]["error"]["param"] == "body.model"  # probe lines name no model
     assert http.delete("/api/probes/alternating").json()["deleted"] is True
     assert http.get("/api/probes/alternating").status_code == 404
 

@@ -85,4 +85,6 @@ def test_every_line_is_checked_alone_and_named(ctx: ServiceContext, lines: list[
         problem = param_problem(line, error.code, error.param)
         assert problem is None, f"{where}: {problem}"
         if _line_fields_fine(line) and line.obj is not None:
-            assert _sync_answer(ctx, line.obj["body"]) == (error.status_code, error.code, error.param), where
+            sync = _sync_answer(ctx, line.obj["body"])  # the same answer, the param named inside the line's body
+            assert sync is not None and sync[2] is not None, where
+            assert (sync[0], sync[1], f"body.{sync[2]}") == (error.status_code, error.code, error.param), where

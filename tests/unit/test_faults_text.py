@@ -83,6 +83,12 @@ def line_error(ctx: ServiceContext, endpoint: str, body: Any, **line: Any) -> tu
     return cid, err
 
 
+def in_line(param: str, endpoint: str = CHAT) -> str:
+    """How a batch line's validation error names a body field: OpenAI's Batch API form ``body.<param>``, but for
+    Anthropic's Message Batches (their errors name no line field)."""
+    return param if endpoint == "/anthropic/v1/messages" else f"body.{param}"
+
+
 def assert_encodable(err: APIError) -> None:
     """The error reaches a response, a log line and the database: it must encode as UTF-8."""
     json.dumps(err.envelope(), ensure_ascii=False).encode("utf-8")
@@ -143,7 +149,8 @@ def test_unpaired_surrogate_is_refused_naming_the_field(
     # the batch twin: the same error, and the line keeps its custom_id
     cid, line_err = line_error(ctx, endpoint, body)
     assert cid == "a" and line_err is not None
-    assert (line_err.code, line_err.param, line_err.message) == (err.code, err.param, err.message)
+    # the param in OpenAI's Batch API form (body.<field>), but for Anthropic's Message Batches
+    assert (line_err.code, line_err.param, line_err.message) == (err.code, in_line(param, endpoint), err.message)
 
 
 def test_an_unknown_field_with_a_surrogate_is_refused_even_when_unknown_fields_are_ignored(ctx: ServiceContext) -> None:
@@ -240,7 +247,10 @@ def test_message_name_is_refused(ctx: ServiceContext, strict: bool) -> None:
     err = sync_error(ctx, CHAT, body, strict=strict)
     assert err is not None and (err.code, err.param) == ("unsupported_parameter", "messages[1].name")
     _, line_err = line_error(ctx, CHAT, body)
-    assert line_err is not None and (line_err.code, line_err.param) == ("unsupported_parameter", "messages[1].name")
+    assert line_err is not None and (line_err.code, line_err.param) == (
+        "unsupported_parameter",
+        in_line("messages[1].name"),
+    )
     # a null name is no name
     assert sync_error(ctx, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x", "name": None}]}) is None
 
@@ -260,7 +270,10 @@ def test_fields_that_ask_for_what_the_server_does_not_do_are_refused(
     err = sync_error(ctx, endpoint, body)
     assert err is not None and (err.code, err.param) == ("unsupported_parameter", param)
     _, line_err = line_error(ctx, endpoint, body)
-    assert line_err is not None and (line_err.code, line_err.param) == ("unsupported_parameter", param)
+    assert line_err is not None and (line_err.code, line_err.param) == (
+        "unsupported_parameter",
+        in_line(param, endpoint),
+    )
 
 
 @pytest.mark.parametrize(
@@ -288,7 +301,7 @@ def test_max_tokens_and_max_completion_tokens_that_differ_are_refused(ctx: Servi
     err = sync_error(ctx, CHAT, body)
     assert err is not None and (err.code, err.param) == ("invalid_value", "max_tokens")
     _, line_err = line_error(ctx, CHAT, body)
-    assert line_err is not None and line_err.param == "max_tokens"
+    assert line_err is not None and line_err.param == in_line("max_tokens")
     assert sync_error(ctx, CHAT, {**body, "max_completion_tokens": 5}) is None
 
 
@@ -324,11 +337,8 @@ def test_image_part_is_refused_on_its_type(ctx: ServiceContext, part: dict[str, 
     )
     assert words in err.message and "not supported by this model" in err.message
     _, line_err = line_error(ctx, CHAT, body)
-    assert line_err is not None and (line_err.code, line_err.param, line_err.message) == (
-        err.code,
-        err.param,
-        err.message,
-    )
+    assert line_err is not None and err.param is not None
+    assert (line_err.code, line_err.param, line_err.message) == (err.code, in_line(err.param), err.message)
 
 
 @pytest.mark.parametrize(
@@ -349,7 +359,7 @@ def test_content_part_errors_name_the_part_field(ctx: ServiceContext, part: Any,
     err = sync_error(ctx, CHAT, body)
     assert err is not None and (err.code, err.param) == (code, param)
     _, line_err = line_error(ctx, CHAT, body)
-    assert line_err is not None and (line_err.code, line_err.param) == (code, param)
+    assert line_err is not None and (line_err.code, line_err.param) == (code, in_line(param))
 
 
 @pytest.mark.parametrize("endpoint", [CHAT, TEXT])
@@ -359,7 +369,7 @@ def test_stop_of_the_wrong_type_names_stop_and_what_it_accepts(ctx: ServiceConte
     assert err is not None and (err.code, err.param) == ("invalid_type", "stop")
     assert "'stop'" in err.message and "a string or a list of up to 4 strings" in err.message
     _, line_err = line_error(ctx, endpoint, body)
-    assert line_err is not None and (line_err.param, line_err.message) == ("stop", err.message)
+    assert line_err is not None and (line_err.param, line_err.message) == (in_line("stop", endpoint), err.message)
     too_many = sync_error(ctx, endpoint, {**BASE[endpoint], "stop": ["a", "b", "c", "d", "e"]})
     assert too_many is not None and (too_many.code, too_many.param) == ("invalid_value", "stop")
     one_bad = sync_error(ctx, endpoint, {**BASE[endpoint], "stop": ["a", 5]})
@@ -375,7 +385,11 @@ def test_an_empty_stop_sequence_is_refused_not_dropped(
     err = sync_error(ctx, endpoint, body)
     assert err is not None and (err.code, err.param) == ("invalid_value", param)
     _, line_err = line_error(ctx, endpoint, body)
-    assert line_err is not None and (line_err.code, line_err.param, line_err.message) == (err.code, param, err.message)
+    assert line_err is not None and (line_err.code, line_err.param, line_err.message) == (
+        err.code,
+        in_line(param, endpoint),
+        err.message,
+    )
 
 
 @pytest.mark.parametrize("value", [{}, {"type": "bogus"}, {"type": 5}, {"json_schema": {}}])
@@ -384,7 +398,10 @@ def test_response_format_of_no_known_type_is_an_invalid_value(ctx: ServiceContex
     err = sync_error(ctx, CHAT, body)
     assert err is not None and (err.code, err.param) == ("invalid_value", "response_format.type")
     _, line_err = line_error(ctx, CHAT, body)
-    assert line_err is not None and (line_err.code, line_err.param) == ("invalid_value", "response_format.type")
+    assert line_err is not None and (line_err.code, line_err.param) == (
+        "invalid_value",
+        in_line("response_format.type"),
+    )
 
 
 @pytest.mark.parametrize("kind", ["json_object", "json_schema"])
@@ -523,7 +540,8 @@ def test_no_param_carries_an_internal_type_name(ctx: ServiceContext, endpoint: s
             sync = sync_error(ctx, endpoint, body, strict=True)
             _, line = line_error(ctx, endpoint, body)
             assert sync is not None and line is not None
-            assert (sync.param, sync.message) == (line.param, line.message) == (err.param, err.message)
+            assert (sync.param, sync.message) == (err.param, err.message)
+            assert (line.param, line.message) == (in_line(err.param, endpoint), err.message)
 
 
 def test_describe_says_what_a_field_accepts() -> None:
@@ -611,4 +629,5 @@ def test_a_non_finite_number_is_named_with_its_path_on_the_route_and_in_a_batch_
         sync = sync_error(ctx, endpoint, body, strict=True)
         _, line = line_error(ctx, endpoint, body)
         assert sync is not None and line is not None
-        assert (sync.param, sync.message) == (line.param, line.message) == (err.param, err.message)
+        assert (sync.param, sync.message) == (err.param, err.message)
+        assert (line.param, line.message) == (in_line(param, endpoint), err.message)

@@ -59,6 +59,7 @@ def test_valid_line_resolves_model(ctx: ServiceContext) -> None:
 
 @pytest.mark.parametrize(
     ("raw", "code", "param"),
+    # body fields are named as OpenAI's Batch API names them (body.<field>); the line's own fields as they are
     [
         (b"{not json", "invalid_json_line", None),
         (b"[1, 2]", "invalid_json_line", None),
@@ -72,25 +73,29 @@ def test_valid_line_resolves_model(ctx: ServiceContext) -> None:
         (line(body=...), "missing_required_parameter", "body"),
         (line(body=[1]), "invalid_type", "body"),
         (line(extra=1), "unknown_parameter", "extra"),
-        (chat(stream=True), "streaming_unsupported", "stream"),
-        (chat(foo=1), "unknown_parameter", "foo"),
-        (chat([{"role": "user", "content": "x", "foo": 1}]), "unknown_parameter", "messages[0].foo"),
-        (chat([*X, {"role": "user", "content": "y", "bar": 1}]), "unknown_parameter", "messages[1].bar"),
+        (chat(stream=True), "streaming_unsupported", "body.stream"),
+        (chat(foo=1), "unknown_parameter", "body.foo"),
+        (chat([{"role": "user", "content": "x", "foo": 1}]), "unknown_parameter", "body.messages[0].foo"),
+        (chat([*X, {"role": "user", "content": "y", "bar": 1}]), "unknown_parameter", "body.messages[1].bar"),
         (
             chat([{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}]),
             "unknown_parameter",
-            "messages[0].content[0].foo",
+            "body.messages[0].content[0].foo",
         ),
-        (chat(stream_options={"include_usage": True, "x": 1}), "unknown_parameter", "stream_options.x"),
-        (chat([{"role": "user", "content": "x", "foo": 1}], zed=1), "unknown_parameter", "zed"),
-        (line(body={"model": MODEL}), "missing_required_parameter", "messages"),
-        (chat([{"role": "user", "content": None}]), "missing_required_parameter", "messages[0].content"),
-        (chat(seed=2**64), "invalid_value", "seed"),
-        (line(body={"model": MODEL, "messages": "hi"}), "invalid_type", "messages"),
-        (chat(temperature="hot"), "invalid_type", "temperature"),
-        (chat(temperature=3), "invalid_value", "temperature"),
-        (chat(tools=[{"type": "function"}]), "unsupported_parameter", "tools"),
-        (line(body={"model": "other", "messages": [{"role": "user", "content": "x"}]}), "model_not_found", "model"),
+        (chat(stream_options={"include_usage": True, "x": 1}), "unknown_parameter", "body.stream_options.x"),
+        (chat([{"role": "user", "content": "x", "foo": 1}], zed=1), "unknown_parameter", "body.zed"),
+        (line(body={"model": MODEL}), "missing_required_parameter", "body.messages"),
+        (chat([{"role": "user", "content": None}]), "missing_required_parameter", "body.messages[0].content"),
+        (chat(seed=2**64), "invalid_value", "body.seed"),
+        (line(body={"model": MODEL, "messages": "hi"}), "invalid_type", "body.messages"),
+        (chat(temperature="hot"), "invalid_type", "body.temperature"),
+        (chat(temperature=3), "invalid_value", "body.temperature"),
+        (chat(tools=[{"type": "function"}]), "unsupported_parameter", "body.tools"),
+        (
+            line(body={"model": "other", "messages": [{"role": "user", "content": "x"}]}),
+            "model_not_found",
+            "body.model",
+        ),
     ],
 )
 def test_invalid_lines(ctx: ServiceContext, raw: bytes, code: str, param: str | None) -> None:

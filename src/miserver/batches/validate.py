@@ -22,7 +22,7 @@ from ..errors import (
     MissingParameterError,
     UnknownParameterError,
 )
-from ..protocol.batches import BatchInputLine
+from ..protocol.batches import ANTHROPIC_MESSAGES, BatchInputLine
 from ..protocol.text import check_text, find_unpaired_surrogate
 from ..services.batch_api.estimates import estimate_input_tokens
 from ..services.batch_api.files import content_expired
@@ -188,12 +188,22 @@ def _check(
     body = line.body
     if body.get("stream") is True:
         message = "Streaming is not supported in a batch: remove 'stream' or set it to false."
-        raise _refuse(cid, message, param="stream", code="streaming_unsupported")
+        raise _refuse(cid, message, param=body_param("stream", endpoint), code="streaming_unsupported")
     try:
         _request, engine = SERVICES[endpoint].check(ctx, body, strict=True)
     except APIError as exc:
+        if exc.param is not None:
+            exc.param = body_param(exc.param, endpoint)
         raise _Refused(cid, exc) from None
     return line, body, engine.info.model_id
+
+
+def body_param(param: str, endpoint: str) -> str:
+    """How a validation error names a field of a line's body: OpenAI's Batch API form ``body.<param>``
+    (``body.model``, ``body.messages[0].content``), so that ``errors.data[].param`` and the error line say where in
+    the line the field is; the code and message stay the synchronous route's. Anthropic's Message Batches keep the
+    synchronous form (their errors name no line field)."""
+    return param if endpoint == ANTHROPIC_MESSAGES else f"body.{param}"
 
 
 @dataclass(frozen=True)
@@ -339,7 +349,9 @@ class Validator:
             unserved = self.ctx.gateway is not None and bool(summary.unserved)
             if summary.valid and len(resident) == 1 and foreign is not None and not unserved:
                 raise BatchFailure(
-                    "lease_unavailable", f"The model is leased by another holder ('{foreign}').", "model"
+                    "lease_unavailable",
+                    f"The model is leased by another holder ('{foreign}').",
+                    body_param("model", batch.endpoint),
                 )
             if not summary.valid or len(resident) > 1 or unserved:
                 # One entry per invalid line (OpenAI's shape); a summary entry only where no line error explains
@@ -348,7 +360,9 @@ class Validator:
                 if summary.valid and len(resident) > 1:
                     models = ", ".join(sorted(summary.models))
                     failure = BatchFailure(
-                        "multiple_models", f"The valid lines name more than one model: {models}.", "model"
+                        "multiple_models",
+                        f"The valid lines name more than one model: {models}.",
+                        body_param("model", batch.endpoint),
                     )
                     listed = [failure.as_batch_error(), *summary.errors]
                 current = await store_batches.get_batch(conn, batch.id)

@@ -26,6 +26,8 @@ BATCH_STATUSES: tuple[BatchStatus, ...] = (
 #: The statuses a batch never leaves: the one definition the whole code base reads.
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "expired", "cancelled"})
 
+#: The endpoint of Anthropic's Message Batches, whose lines keep Anthropic's error format.
+ANTHROPIC_MESSAGES = "/anthropic/v1/messages"
 #: Endpoints a batch accepts in this release; the rest of DESIGN §3.2 are refused until they exist.
 BATCH_ENDPOINTS: tuple[str, ...] = (
     "/v1/chat/completions",
@@ -33,7 +35,7 @@ BATCH_ENDPOINTS: tuple[str, ...] = (
     "/v1/embeddings",
     "/api/probes/score",
     "/v1/responses",
-    "/anthropic/v1/messages",
+    ANTHROPIC_MESSAGES,
 )
 
 
