@@ -331,11 +331,12 @@ async def test_completion_logprobs_of_split_characters(ctx: ServiceContext, writ
     choice = result.body["choices"][0]
     lp = choice["logprobs"]
     assert choice["text"] == "あ\ufffd"  # the third token starts a character that never ends
-    assert "".join(lp["tokens"]) == choice["text"] and lp["tokens"][:2] == ["", "あ"]
-    assert all(0 <= o <= len(choice["text"]) for o in lp["text_offset"])
-    for value, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+    # one representation of a token everywhere: tokens[i] is the key of the chosen token among top_logprobs[i]
+    assert lp["tokens"] == ["bytes:\\xe3\\x81", "bytes:\\x82", "bytes:\\xe3\\x81"]
+    assert lp["text_offset"] == [0, 0, 1]  # where each token's piece of the text begins ("", "あ", the cut rest)
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
         assert len(top) == 5  # one key per token: none collide as U+FFFD
-        assert max(top.values()) == value  # the greedy token is the top one, under its own key
+        assert top[token] == value == max(top.values())  # the greedy token is the top one, under its own key
     assert [next(iter(top)) for top in lp["top_logprobs"]] == ["bytes:\\xe3\\x81", "bytes:\\x82", "bytes:\\xe3\\x81"]
     assert all(key.startswith("bytes:\\x") for top in lp["top_logprobs"] for key in top)
     assert lp["top_logprobs"][0]["bytes:\\xe3\\x81"] == lp["token_logprobs"][0]
@@ -347,8 +348,9 @@ async def test_completion_logprobs_of_split_characters(ctx: ServiceContext, writ
 
 
 async def test_echo_prompt_logprobs_of_split_characters(engine: LocalEngine, ctx: ServiceContext) -> None:
-    """The scoring (prompt-logprob) path: tokens join to the echoed text, every top dict holds its 5 tokens, the
-    prompt token's entry (where it is among the top 5) equals its logprob."""
+    """The scoring (prompt-logprob) path: each token is its own text (the key it would have among the top ones),
+    ``text_offset`` says where its piece of the echoed text begins, every top dict holds its 5 tokens, the prompt
+    token's entry (where it is among the top 5) equals its logprob."""
     prompt = "English: thank you\nJapanese: " + JAPANESE
     ids = engine.tokenize(prompt)
     for max_tokens in (0, 2):
@@ -357,12 +359,13 @@ async def test_echo_prompt_logprobs_of_split_characters(engine: LocalEngine, ctx
         choice = result.body["choices"][0]
         lp = choice["logprobs"]
         assert choice["text"].startswith(prompt)
-        assert "".join(lp["tokens"]) == choice["text"]
-        assert lp["text_offset"] == [len("".join(lp["tokens"][:j])) for j in range(len(lp["tokens"]))]
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert all(o <= len(choice["text"]) for o in lp["text_offset"])
         assert all(len(top) == 5 for top in lp["top_logprobs"][1:])
     texts = token_texts(engine.loaded.tokenizer)
     result = await run(completions, ctx, {**body, "max_tokens": 0})
     lp = result.body["choices"][0]["logprobs"]
+    assert lp["tokens"][1 : len(ids)] == [texts.token(i) for i in ids[1:]]
     for pos in range(1, len(ids)):
         own = texts.token(ids[pos])
         if own in lp["top_logprobs"][pos]:
@@ -482,9 +485,8 @@ async def test_the_issue_examples_on_the_real_model() -> None:
         }
         choice = (await run(completions, ctx, text_body)).body["choices"][0]
         lp = choice["logprobs"]
-        assert "".join(lp["tokens"]) == choice["text"]
         assert all(0 <= o <= len(choice["text"]) for o in lp["text_offset"])
-        for value, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
-            assert len(top) == 5 and max(top.values()) == value
+        for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+            assert len(top) == 5 and top[token] == value == max(top.values())  # the chosen token, found by its key
     finally:
         await real.close()

@@ -7,6 +7,7 @@ Scoring mode (DESIGN §3.4): a request with ``max_tokens`` 0 or 1 needs at most 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -146,9 +147,6 @@ async def _run_prompt(p: _Prepared, gen: GenerationRequest) -> ScoreResult:
     return ScoreResult(result, prompt.prompt_logprobs, prompt.prompt_tokens)
 
 
-_Entry = tuple[str, float | None, dict[str, float] | None]
-
-
 def _top(lp: TokenLogprob) -> dict[str, float]:
     """The alternatives of one position keyed by token text, one key per token: tokens render distinctly
     (``bytes:\\xNN`` where not valid UTF-8); should two still meet, the later one is keyed ``token_id:N``."""
@@ -158,10 +156,19 @@ def _top(lp: TokenLogprob) -> dict[str, float]:
     return top
 
 
-def _entries(lps: list[TokenLogprob | None], texts: list[str]) -> list[_Entry]:
-    """(token, logprob, top) per position. ``texts`` are the pieces of text the tokens complete (they join to the
-    text; :attr:`TokenLogprob.text`), the top keys each token's own text."""
-    return [(text, None, None) if lp is None else (text, lp.logprob, _top(lp)) for lp, text in zip(lps, texts)]
+def _logprobs(lps: list[TokenLogprob | None], pieces: list[str], start: int) -> CompletionLogprobs:
+    """The ``logprobs`` of a run of positions. ``tokens`` are each token's own text, the very string that keys it
+    among ``top_logprobs`` (``bytes:\\xNN`` where its bytes are not valid UTF-8), so a client finds the chosen token
+    among the top ones; a position without a logprob (the first prompt token) shows its piece of text. ``pieces``
+    are the pieces of text the tokens complete (they join to the text; :attr:`TokenLogprob.text`), and
+    ``text_offset`` is where each piece begins, counted from ``start``."""
+    offsets = list(itertools.accumulate((len(x) for x in pieces[:-1]), initial=start)) if pieces else []
+    return CompletionLogprobs(
+        tokens=[piece if lp is None else lp.token for lp, piece in zip(lps, pieces, strict=True)],
+        token_logprobs=[None if lp is None else lp.logprob for lp in lps],
+        top_logprobs=[None if lp is None else _top(lp) for lp in lps],
+        text_offset=offsets,
+    )
 
 
 def _pieces(lps: list[TokenLogprob]) -> list[str]:
@@ -175,22 +182,12 @@ def _choice(
     ``text_offset`` counts from the start of the echoed text; without ``echo`` it counts from the completion's."""
     logprobs = None
     if want_logprobs and seq.logprobs is not None:
-        entries = []
-        offset = len(prefix)
+        lps: list[TokenLogprob | None] = []
+        pieces: list[str] = []
+        start = len(prefix)
         if scored.prompt_logprobs is not None and scored.prompt_tokens is not None:
-            entries = _entries(scored.prompt_logprobs, scored.prompt_tokens)
-            offset = 0
-        entries += _entries(list(seq.logprobs), _pieces(seq.logprobs))
-        offsets = []
-        for token, _, _ in entries:
-            offsets.append(offset)
-            offset += len(token)
-        logprobs = CompletionLogprobs(
-            tokens=[e[0] for e in entries],
-            token_logprobs=[e[1] for e in entries],
-            top_logprobs=[e[2] for e in entries],
-            text_offset=offsets,
-        )
+            lps, pieces, start = list(scored.prompt_logprobs), list(scored.prompt_tokens), 0
+        logprobs = _logprobs([*lps, *seq.logprobs], [*pieces, *_pieces(seq.logprobs)], start)
     return CompletionChoice(index=index, text=prefix + seq.text, logprobs=logprobs, finish_reason=seq.finish_reason)
 
 
@@ -273,22 +270,16 @@ async def _stream(
             prompt_tokens += len(gen.prompt_ids)
             if req.echo:
                 prefix = engine.decode(list(gen.prompt_ids))
-                echoed = None
+                echoed, echoed_chars = None, 0
                 if p.prompt_k is not None:
                     scored = await engine.score(ScoreRequest(_prompt_only(gen), p.prompt_k))
                     assert scored.prompt_logprobs is not None and scored.prompt_tokens is not None
-                    entries = _entries(scored.prompt_logprobs, scored.prompt_tokens)
-                    offsets = [sum(len(e[0]) for e in entries[:k]) for k in range(len(entries))]
-                    echoed = CompletionLogprobs(
-                        tokens=[e[0] for e in entries],
-                        token_logprobs=[e[1] for e in entries],
-                        top_logprobs=[e[2] for e in entries],
-                        text_offset=offsets,
-                    )
+                    echoed = _logprobs(list(scored.prompt_logprobs), list(scored.prompt_tokens), 0)
+                    echoed_chars = sum(len(piece) for piece in scored.prompt_tokens)
                 for i in range(gen.n):
                     index = p_index * gen.n + i
                     choice = CompletionChoice(index=index, text=prefix, logprobs=echoed, finish_reason=None)
-                    next_offset[index] = len(prefix) if echoed is None else sum(len(t) for t in echoed.tokens)
+                    next_offset[index] = len(prefix) if echoed is None else echoed_chars
                     yield event([choice])
             async for delta in engine.generate_stream(gen):
                 completion_tokens += delta.generated_tokens
@@ -298,12 +289,7 @@ async def _stream(
                 if req.logprobs is not None and delta.logprobs:
                     pieces = _pieces(list(delta.logprobs))
                     start = next_offset.get(index, 0)
-                    logprobs = CompletionLogprobs(
-                        tokens=pieces,
-                        token_logprobs=[lp.logprob for lp in delta.logprobs],
-                        top_logprobs=[_top(lp) for lp in delta.logprobs],
-                        text_offset=[start + sum(len(x) for x in pieces[:k]) for k in range(len(pieces))],
-                    )
+                    logprobs = _logprobs(list(delta.logprobs), pieces, start)
                     next_offset[index] = start + sum(len(x) for x in pieces)
                 finish = delta.finish_reason
                 yield event([CompletionChoice(index=index, text=delta.text, logprobs=logprobs, finish_reason=finish)])
