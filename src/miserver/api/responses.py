@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import UnsupportedParameterError
+from ..http_headers import header_values
 from ..protocol.responses import ResponseCreateRequest, ResponseDeleted, ResponseObject
 from ..services.inference import responses as service
 from ..services.inference.context import Call, StreamResult
@@ -28,7 +29,7 @@ def _sse(result: StreamResult) -> StreamingResponse:
             yield f"event: {json.loads(payload)['type']}\ndata: {payload}\n\n"
 
     return StreamingResponse(
-        lines(), media_type="text/event-stream", headers={**result.headers, "Cache-Control": "no-cache"}
+        lines(), media_type="text/event-stream", headers={**header_values(result.headers), "Cache-Control": "no-cache"}
     )
 
 
