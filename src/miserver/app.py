@@ -33,12 +33,13 @@ from .api import probes as probes_api
 from .api import responses as responses_api
 from .api.common import AppState
 from .api.openapi import install_openapi
+from .client_gone import CancelOnDisconnect
 from .clock import now
 from .console import ConsoleRoot, create_console
 from .errors import SERVER_ERROR_MESSAGE, APIError, InvalidRequestError, NotFoundError, ServerError
 from .events import ProgressEvents
 from .ids import random_id
-from .metrics import Metrics
+from .metrics import INTERACTIVE_ROUTES, Metrics
 from .protocol.common import param_path
 from .runtime import EngineFactory, start_runtime
 from .services.accounts import keys as accounts
@@ -197,6 +198,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     # every route needs an API key once one exists (services/accounts/keys.py); with none the server stays open
     app.router.dependencies.append(Depends(accounts.authenticate))
     app.add_middleware(ServerErrors)  # innermost: the 500 still gets x-request-id
+    # an inference request whose client has gone is cancelled before it has answered (client_gone.py)
+    app.add_middleware(CancelOnDisconnect, paths=INTERACTIVE_ROUTES)
     # gzip for clients that ask (Accept-Encoding); Server-Sent Events are never compressed
     app.add_middleware(GZipMiddleware, minimum_size=1024)
     app.add_middleware(ConsoleRoot)  # /console (and /console/, after TrailingSlash) -> the console's job list

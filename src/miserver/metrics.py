@@ -84,6 +84,11 @@ class Metrics:
         self.busy = Gauge(
             "miserver_engine_busy_fraction", "Share of the last minute the engine slots were in use", registry=r
         )
+        self.generated = Gauge(
+            "miserver_engine_generated_tokens",
+            "Tokens the resident engine has generated since it started (every sequence, every route)",
+            registry=r,
+        )
         self.webhook_events = Gauge("miserver_webhook_events", "Webhook outbox events by state", ["state"], registry=r)
         r.register(_DeliveryAttempts())
         self._busy_average: float | None = None
@@ -106,8 +111,9 @@ class Metrics:
                 self.busy.set(self._busy_average)
             await asyncio.sleep(SAMPLE_SECONDS)
 
-    async def render(self, store: Store, gate: AdmissionGate) -> bytes:
-        """The text exposition of every series, refreshed now."""
+    async def render(self, store: Store, gate: AdmissionGate, engine: object = None) -> bytes:
+        """The text exposition of every series, refreshed now (``engine``: the resident engine, if any; an engine
+        that counts its tokens, as the local one does, feeds ``miserver_engine_generated_tokens``)."""
         async with store.read() as conn:
             statuses = await store_operations.status_counts(conn)
             completed, failed = await store_operations.row_totals(conn)
@@ -126,4 +132,7 @@ class Metrics:
         self.queue.labels(priority="batch").set(gate.queue_length(Priority.BATCH))
         for state, count in events.items():
             self.webhook_events.labels(state=state).set(count)
+        generated = getattr(engine, "generated_tokens", None)
+        if isinstance(generated, int):
+            self.generated.set(generated)
         return generate_latest(self.registry)

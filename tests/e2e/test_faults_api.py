@@ -213,10 +213,10 @@ def test_a_batch_line_with_a_surrogate_custom_id_fails_alone(sdk: openai.OpenAI)
     assert [x["millm"]["line"] for x in errors] == [2, 4]
     assert errors[0]["custom_id"] is None and errors[1]["custom_id"] == "r4"
     params = [x["response"]["body"]["error"]["param"] for x in errors]
-    assert params == ["custom_id", "messages[0].content"]
+    assert params == ["custom_id", "body.messages[0].content"]  # a body field as OpenAI's Batch API names it
     assert batch.errors is not None and [(e.line, e.param) for e in batch.errors.data or []] == [
         (2, "custom_id"),
-        (4, "messages[0].content"),
+        (4, "body.messages[0].content"),
     ]
 
 
@@ -311,5 +311,5 @@ def test_a_non_finite_number_in_anthropic_and_in_batch_lines(http: httpx.Client,
     assert [x["custom_id"] for x in errors] == ["nan", "inf", "big"]
     for got, param in zip(errors, ["temperature", "top_p", "frequency_penalty"], strict=True):
         assert got["response"]["status_code"] == 400
-        assert got["response"]["body"]["error"]["param"] == param
+        assert got["response"]["body"]["error"]["param"] == f"body.{param}"
         assert got["error"]["message"] == f"Invalid value for '{param}': Input should be a finite number."

@@ -17,11 +17,12 @@ def tiny_server_process(
     served_model_name: str = "tiny",
     env: dict[str, str] | None = None,
     port: int | None = None,
+    log_level: str = "warning",
 ) -> ServerProcess:
     """A (not yet started) server for the tiny model with its files under ``root``.
 
     Defaults: SQLite at ``root/miserver.db``, data dir ``root/var``, ``MISERVER_EXECUTION_LOG`` at
-    ``root/executions.log``; ``env`` adds or overrides variables. Construct it again with the same arguments (and a
+    ``root/executions.log``, log level ``warning``; ``env`` adds or overrides variables. Construct it again with the same arguments (and a
     new port) to restart a server on the same database and data directory.
     """
     return ServerProcess(
@@ -31,4 +32,5 @@ def tiny_server_process(
         data_dir=root / "var",
         env={"MISERVER_EXECUTION_LOG": str(root / "executions.log"), **(env or {})},
         port=port,
+        log_level=log_level,
     )

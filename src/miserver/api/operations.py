@@ -115,4 +115,4 @@ async def metrics(request: Request) -> Response:
     st = state(request)
     registry = request.app.state.metrics
     assert isinstance(registry, Metrics)
-    return Response(await registry.render(st.store, st.ctx.gate), media_type=CONTENT_TYPE_LATEST)
+    return Response(await registry.render(st.store, st.ctx.gate, st.ctx.engine), media_type=CONTENT_TYPE_LATEST)
