@@ -22,8 +22,8 @@ def tiny_server_process(
     """A (not yet started) server for the tiny model with its files under ``root``.
 
     Defaults: SQLite at ``root/miserver.db``, data dir ``root/var``, ``MISERVER_EXECUTION_LOG`` at
-    ``root/executions.log``, log level ``warning``; ``env`` adds or overrides variables. Construct it again with the same arguments (and a
-    new port) to restart a server on the same database and data directory.
+    ``root/executions.log``, log level ``warning``; ``env`` adds or overrides variables. Construct it again with the
+    same arguments (and a new port) to restart a server on the same database and data directory.
     """
     return ServerProcess(
         model=str(model_dir),

@@ -8,22 +8,29 @@ clients send are accepted: ``x-api-key`` is an API key here, as ``Authorization:
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..errors import NotFoundError
 from ..http_headers import header_values
 from ..protocol.anthropic import (
+    CountTokensRequest,
     DeletedMessageBatch,
     Message,
     MessageBatch,
     MessageBatchCreateRequest,
     MessageBatchList,
     MessagesRequest,
+    MessageTokensCount,
+    ModelInfo,
+    ModelInfoList,
 )
 from ..services.batch_api import message_batches
+from ..services.inference import messages, routing
 from ..services.inference.context import Call, StreamResult
 from ..services.inference.registry import SERVICES
 from .common import json_body, lease_header, state, strict_mode
@@ -54,6 +61,40 @@ async def create_message(request: Request) -> Response:
         headers = {**header_values(result.headers), "Cache-Control": "no-cache"}
         return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
     return JSONResponse(result.body, status_code=result.status_code, headers=header_values(result.headers))
+
+
+@router.post(MESSAGES + "/count_tokens")
+@documented(body=CountTokensRequest, ok=MessageTokensCount, errors=(400, 404, 500), headers=("strict",))
+async def count_tokens(request: Request) -> dict[str, Any]:
+    """The prompt's tokens as a Messages request would count them (nothing runs on the engine)."""
+    body = await json_body(request)
+    return messages.count_tokens(state(request).ctx, body, strict=strict_mode(request))
+
+
+def _model_info(model: dict[str, Any]) -> ModelInfo:
+    created = datetime.datetime.fromtimestamp(int(model["created"]), tz=datetime.UTC)
+    return ModelInfo(id=model["id"], display_name=model["id"], created_at=created.isoformat().replace("+00:00", "Z"))
+
+
+@router.get("/anthropic/v1/models")
+@documented(ok=ModelInfoList)
+async def list_models(request: Request) -> dict[str, Any]:
+    """The served models in Anthropic's shape (the same models as ``GET /v1/models``), on one page."""
+    st = state(request)
+    data = [_model_info(m) for m in routing.list_models(st.ctx, st.started_at)]
+    first, last = (data[0].id, data[-1].id) if data else (None, None)
+    return ModelInfoList(data=data, has_more=False, first_id=first, last_id=last).model_dump()
+
+
+@router.get("/anthropic/v1/models/{model_id:path}")
+@documented(ok=ModelInfo, errors=LOOKUP_ERRORS)
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    """One served model in Anthropic's shape; 404 ``not_found_error`` for a model this server does not serve."""
+    st = state(request)
+    found = next((m for m in routing.list_models(st.ctx, st.started_at) if m["id"] == model_id), None)
+    if found is None:
+        raise NotFoundError(f"model: {model_id}", param="model_id", code="model_not_found")
+    return _model_info(found).model_dump()
 
 
 # -- Message Batches: the same durable batches as /v1/batches (services/batch_api/message_batches.py) ------------------

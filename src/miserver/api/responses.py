@@ -1,5 +1,5 @@
 """The Responses API routes: ``POST /v1/responses`` (JSON or Server-Sent Events), ``GET`` and ``DELETE
-/v1/responses/{id}``; thin wrappers over ``services.responses``."""
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``; thin wrappers over ``services.responses``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import UnsupportedParameterError
 from ..http_headers import header_values
-from ..protocol.responses import ResponseCreateRequest, ResponseDeleted, ResponseObject
+from ..protocol.responses import InputItemList, ResponseCreateRequest, ResponseDeleted, ResponseObject
 from ..services.inference import responses as service
 from ..services.inference.context import Call, StreamResult
 from ..services.inference.registry import SERVICES
@@ -54,6 +54,21 @@ async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
             "Unsupported parameter: 'stream': a stored Response is returned as JSON only.", param="stream"
         )
     return JSONResponse(await service.retrieve(state(request).ctx, response_id))
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+@documented(ok=InputItemList, errors=LOOKUP_ERRORS)
+async def list_input_items(
+    request: Request, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+) -> JSONResponse:
+    """The items that went into a stored Response (the conversation it continued included), newest first unless
+    ``order=asc``; ``include`` is refused (a stored item here has nothing more to include)."""
+    if request.query_params.getlist("include") or request.query_params.getlist("include[]"):
+        raise UnsupportedParameterError(
+            "Unsupported parameter: 'include': an input item here has no extra data to include.", param="include"
+        )
+    page = await service.input_items(state(request).ctx, response_id, limit=limit, order=order, after=after)
+    return JSONResponse(page)
 
 
 @router.delete("/v1/responses/{response_id}")

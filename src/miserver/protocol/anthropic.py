@@ -284,3 +284,47 @@ class MessageBatchList(ResponseModel):
 class DeletedMessageBatch(ResponseModel):
     id: str
     type: Literal["message_batch_deleted"] = "message_batch_deleted"
+
+
+# -- token counting and models -----------------------------------------------------------------------------------------
+
+
+class CountTokensRequest(RequestModel):
+    """``POST /anthropic/v1/messages/count_tokens``: a Messages request's prompt, without ``max_tokens``. The fields
+    after ``system`` are declared so that the service refuses them by name (``unsupported_parameter``)."""
+
+    model: str
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[ContentBlockParam] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    thinking: Any = None
+    mcp_servers: list[Any] | None = None
+    context_management: Any = None
+    output_format: Any = None
+    output_config: Any = None
+    cache_control: Any = None
+
+
+class MessageTokensCount(ResponseModel):
+    """What ``count_tokens`` answers: the prompt's tokens as ``POST /anthropic/v1/messages`` would count them."""
+
+    input_tokens: int
+
+
+class ModelInfo(ResponseModel):
+    """A model in Anthropic's shape (``created_at`` RFC 3339)."""
+
+    type: Literal["model"] = "model"
+    id: str
+    display_name: str
+    created_at: str
+
+
+class ModelInfoList(ResponseModel):
+    """``GET /anthropic/v1/models``."""
+
+    data: list[ModelInfo]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None

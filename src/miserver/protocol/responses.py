@@ -214,6 +214,8 @@ class ResponseCreateRequest(RequestModel):
     max_output_tokens: int | None = Field(None, ge=MIN_OUTPUT_TOKENS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: TextConfig | None = None
@@ -328,6 +330,10 @@ class ResponseObject(ResponseModel):
     output: list[OutputMessage]
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     reasoning: ReasoningEcho = Field(default_factory=ReasoningEcho)
     service_tier: Literal["default"] = "default"
     store: bool = True
@@ -349,3 +355,41 @@ class ResponseDeleted(ResponseModel):
     id: str
     object: Literal["response"] = "response"
     deleted: Literal[True] = True
+
+
+# -- input items ----------------------------------------------------------------------------------------------------
+
+
+class InputItemText(ResponseModel):
+    """A text part of an input item: what the user (or system, developer) said."""
+
+    type: Literal["input_text"] = "input_text"
+    text: str
+
+
+class InputItemOutputText(ResponseModel):
+    """A text part of an input item: an earlier answer of the model."""
+
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class StoredInputItem(ResponseModel):
+    """One item that went into a Response: a message of the conversation (earlier turns included)."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: list[InputItemText | InputItemOutputText]
+    status: Literal["completed"] = "completed"
+
+
+class InputItemList(ResponseModel):
+    """``GET /v1/responses/{id}/input_items``: a page of input items (OpenAI's list envelope)."""
+
+    object: Literal["list"] = "list"
+    data: list[StoredInputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -30,6 +30,7 @@ from ...protocol.anthropic import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
     ContentBlockStopEvent,
+    CountTokensRequest,
     Message,
     MessageDelta,
     MessageDeltaEvent,
@@ -37,6 +38,7 @@ from ...protocol.anthropic import (
     MessagesRequest,
     MessageStartEvent,
     MessageStopEvent,
+    MessageTokensCount,
     MessageUsage,
     StopReason,
     TextBlock,
@@ -152,6 +154,17 @@ def _prepare(ctx: ServiceContext, body: Any, call: Call) -> tuple[MessagesReques
         p.gen.params, stop=normalise_stop(req.stop_sequences), top_k=req.top_k if req.top_k else None
     )
     return req, dataclasses.replace(p, gen=dataclasses.replace(p.gen, params=params))
+
+
+def count_tokens(ctx: ServiceContext, body: Any, *, strict: bool) -> dict[str, int]:
+    """``POST /anthropic/v1/messages/count_tokens``: ``{"input_tokens": n}``, the prompt's tokens exactly as a
+    Messages request with this ``model``, ``system`` and ``messages`` would count them (the chat template
+    included). Raises 400 for the schema, unknown (strict) and unsupported fields and 404 ``model_not_found``, as
+    :func:`check` does; nothing runs on the engine."""
+    parse_request(CountTokensRequest, body, strict=strict)  # a dict, its fields known (or ignored: not strict)
+    prompt = {name: value for name, value in body.items() if name in CountTokensRequest.model_fields}
+    _req, p = _prepare(ctx, {**prompt, "max_tokens": 1}, Call(strict=True))
+    return MessageTokensCount(input_tokens=len(p.gen.prompt_ids)).model_dump()
 
 
 def stop_reason(finish_reason: FinishReason, stop_sequence: str | None) -> StopReason:

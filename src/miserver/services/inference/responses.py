@@ -13,6 +13,7 @@ files). Batch rows run :func:`create` too (one at a time: Responses rows never p
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +25,9 @@ from ...ids import ordered_id, random_id
 from ...protocol.parsing import parse_request
 from ...protocol.responses import (
     IncompleteDetails,
+    InputItemList,
+    InputItemOutputText,
+    InputItemText,
     InputMessage,
     OutputMessage,
     OutputText,
@@ -32,6 +36,7 @@ from ...protocol.responses import (
     ResponseDeleted,
     ResponseObject,
     ResponseUsage,
+    StoredInputItem,
 )
 from ...store import responses as store_responses
 from ...store.responses import StoredResponse
@@ -76,6 +81,9 @@ def _refuse_unsupported(req: ResponseCreateRequest) -> None:
         raise _unsupported("conversation", "is not supported: chain stored responses with 'previous_response_id'.")
     if req.prompt is not None:
         raise _unsupported("prompt", "is not supported: this server keeps no prompt templates.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise _unsupported(name, "other than 0 is not supported: the resident engine samples without penalties.")
     if req.top_logprobs:
         raise _unsupported("top_logprobs", "is not supported on /v1/responses: use /v1/chat/completions.")
     if req.truncation == "auto":
@@ -211,6 +219,10 @@ def _response(
         output=output,
         parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
         previous_response_id=req.previous_response_id,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        prompt_cache_key=req.prompt_cache_key,
+        safety_identifier=req.safety_identifier,
         store=req.store is not False,
         temperature=1.0 if req.temperature is None else req.temperature,
         tool_choice="none" if req.tool_choice == "none" else "auto",
@@ -350,6 +362,59 @@ async def retrieve(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
     if record is None or not accounts.visible(record.owner_key_id):
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     return record.body
+
+
+#: Largest page of ``GET /v1/responses/{id}/input_items`` (OpenAI's bound); 20 by default.
+INPUT_ITEMS_LIMIT_MAX = 100
+
+
+def input_item_id(response_id: str, index: int) -> str:
+    """The id of the ``index``-th input item of a Response: the same on every read (pages go ``after`` it)."""
+    return "msg_" + hashlib.sha256(f"{response_id}:{index}".encode()).hexdigest()[:32]
+
+
+async def input_items(
+    ctx: ServiceContext, response_id: str, *, limit: int = 20, order: str = "desc", after: str | None = None
+) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: the items that went into a stored Response, the conversation it
+    continued (``previous_response_id``) included and instructions excluded, newest first unless ``order`` is
+    ``asc``; a page of ``limit`` items after the item ``after``. Raises 400 for ``limit`` outside
+    1..:data:`INPUT_ITEMS_LIMIT_MAX`, an ``order`` other than ``asc``/``desc`` and an ``after`` that names no item of
+    this Response; 404 as :func:`retrieve`."""
+    if not 1 <= limit <= INPUT_ITEMS_LIMIT_MAX:
+        raise InvalidRequestError(f"Invalid 'limit': must be between 1 and {INPUT_ITEMS_LIMIT_MAX}.", param="limit")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError(f"Invalid 'order': {order!r}. Use 'asc' or 'desc'.", param="order")
+    async with ctx.require_store().read() as conn:
+        record = await store_responses.get_response(conn, response_id, now=now())
+    if record is None or not accounts.visible(record.owner_key_id):
+        raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
+    items = [
+        StoredInputItem(
+            id=input_item_id(response_id, i),
+            role=turn["role"],  # type: ignore[arg-type]  # the roles a request may send
+            content=[
+                InputItemOutputText(text=turn["content"])
+                if turn["role"] == "assistant"
+                else InputItemText(text=turn["content"])
+            ],
+        )
+        for i, turn in enumerate(record.turns[:-1])  # the last turn is this Response's own answer
+    ]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item.id == after), None)
+        if at is None:
+            raise InvalidRequestError(f"Invalid 'after': no input item {after!r} in this response.", param="after")
+        items = items[at + 1 :]
+    page = items[:limit]
+    return InputItemList(
+        data=page,
+        first_id=page[0].id if page else None,
+        last_id=page[-1].id if page else None,
+        has_more=len(items) > limit,
+    ).model_dump()
 
 
 async def delete(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
