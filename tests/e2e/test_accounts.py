@@ -119,6 +119,13 @@ def test_keys_authentication_and_tenant_isolation(accounts: Accounts) -> None:
     anonymous_message = http.post("/anthropic/v1/messages", json=message)
     assert anonymous_message.status_code == 401
     assert anonymous_message.json()["error"]["type"] == "authentication_error"
+    # a stored Response's input items are its owner's, as the Response is
+    answer = http.post(
+        "/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 16}, headers=_auth(a_key)
+    )
+    items = f"/v1/responses/{answer.json()['id']}/input_items"
+    assert http.get(items, headers=_auth(a_key)).status_code == 200
+    assert http.get(items, headers=_auth(b_key)).status_code == 404
 
     batch = submit(a, _rows(3))
     file_id = batch.input_file_id

@@ -344,3 +344,26 @@ def test_message_batch_refusals(claude: anthropic.Anthropic, http: httpx.Client)
             claude.messages.batches.retrieve(bad_id)
     r = http.get("/anthropic/v1/messages/batches", params={"limit": 0})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# -- token counting and models ------------------------------------------------------------------------------------
+
+
+def test_count_tokens_equals_what_the_message_is_charged(claude: anthropic.Anthropic) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Count the tokens of this prompt, please."}]
+    counted = claude.messages.count_tokens(model="tiny", messages=messages, system="You are terse.")
+    sent = claude.messages.create(model="tiny", max_tokens=2, messages=messages, system="You are terse.")
+    assert counted.input_tokens == sent.usage.input_tokens > 0
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="no-such-model", messages=messages)
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.count_tokens(model="tiny", messages=[])
+
+
+def test_models_list_and_retrieve(claude: anthropic.Anthropic) -> None:
+    listed = claude.models.list()
+    assert [m.id for m in listed.data] == ["tiny"] and listed.data[0].type == "model"
+    one = claude.models.retrieve("tiny")
+    assert one.id == "tiny" and one.created_at is not None
+    with pytest.raises(anthropic.NotFoundError):
+        claude.models.retrieve("no-such-model")

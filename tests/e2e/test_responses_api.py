@@ -333,3 +333,55 @@ def test_a_batch_of_responses_lines_end_to_end(client: openai.OpenAI) -> None:
     assert done.usage is not None and (done.usage.input_tokens, done.usage.output_tokens) == (total_in, total_out)
     stored = Response.model_validate(out[3]["response"]["body"])
     assert client.responses.retrieve(stored.id).output_text == stored.output_text, "store defaults to true"
+
+
+# -- what clients and peer suites ask for -------------------------------------------------------------------------
+
+
+def test_the_response_echoes_penalties_safety_identifier_and_prompt_cache_key(module_server: ServerProcess) -> None:
+    http = module_server.http()
+    base = {"model": "tiny", "input": "Hi", "max_output_tokens": MAX}
+    plain = http.post(URL, json=base).json()
+    assert (plain["presence_penalty"], plain["frequency_penalty"]) == (0.0, 0.0)
+    assert plain["safety_identifier"] is None and plain["prompt_cache_key"] is None
+    sent = {
+        **base,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "safety_identifier": "u-7",
+        "prompt_cache_key": "k",
+    }
+    echoed = http.post(URL, json=sent, headers={"X-miLLM-Strict": "true"}).json()
+    assert (echoed["safety_identifier"], echoed["prompt_cache_key"]) == ("u-7", "k")
+    assert (echoed["presence_penalty"], echoed["frequency_penalty"]) == (0.0, 0.0)
+    refused = http.post(URL, json={**base, "presence_penalty": 0.5})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_parameter"
+    assert refused.json()["error"]["param"] == "presence_penalty"
+
+
+def test_input_items_list_the_conversation_that_went_in(client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        model="tiny", input="Name a colour.", max_output_tokens=MAX, instructions="Be brief."
+    )
+    second = client.responses.create(
+        model="tiny", input="And another one.", previous_response_id=first.id, max_output_tokens=MAX
+    )
+    items = client.responses.input_items.list(second.id, order="asc")
+    roles = [(item.type, getattr(item, "role", None)) for item in items.data]
+    assert roles == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    texts = [part.text for item in items.data for part in item.content]  # type: ignore[union-attr]
+    assert texts[0] == "Name a colour." and texts[2] == "And another one."
+    assert texts[1] == first.output_text  # the earlier answer, as it was returned
+    assert items.data[1].content[0].type == "output_text"  # type: ignore[union-attr]
+    newest_first = client.responses.input_items.list(second.id)
+    assert [i.id for i in newest_first.data] == [i.id for i in reversed(items.data)]
+    page = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert page.has_more and [i.id for i in page.data] == [items.data[0].id]
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.data[0].id)
+    assert [i.id for i in rest.data] == [i.id for i in items.data[1:]] and not rest.has_more
+    assert [i.id for i in client.responses.input_items.list(first.id).data] == [items.data[0].id]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.input_items.list(second.id, limit=101)
+    assert bad.value.body["param"] == "limit"  # type: ignore[index]

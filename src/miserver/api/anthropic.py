@@ -31,7 +31,7 @@ from ..protocol.anthropic import (
 )
 from ..services.batch_api import message_batches
 from ..services.inference import messages, routing
-from ..services.inference.context import Call, StreamResult
+from ..services.inference.context import Call, ServiceContext, StreamResult
 from ..services.inference.registry import SERVICES
 from .common import json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
@@ -71,9 +71,16 @@ async def count_tokens(request: Request) -> dict[str, Any]:
     return messages.count_tokens(state(request).ctx, body, strict=strict_mode(request))
 
 
-def _model_info(model: dict[str, Any]) -> ModelInfo:
+def _model_info(ctx: ServiceContext, model: dict[str, Any]) -> ModelInfo:
     created = datetime.datetime.fromtimestamp(int(model["created"]), tz=datetime.UTC)
-    return ModelInfo(id=model["id"], display_name=model["id"], created_at=created.isoformat().replace("+00:00", "Z"))
+    engine = ctx.engine
+    resident = engine is not None and engine.info.model_id == model["id"]
+    return ModelInfo(
+        id=model["id"],
+        display_name=model["id"],
+        created_at=created.isoformat().replace("+00:00", "Z"),
+        max_input_tokens=(engine.info.context_length or None) if resident and engine is not None else None,
+    )
 
 
 @router.get("/anthropic/v1/models")
@@ -81,7 +88,7 @@ def _model_info(model: dict[str, Any]) -> ModelInfo:
 async def list_models(request: Request) -> dict[str, Any]:
     """The served models in Anthropic's shape (the same models as ``GET /v1/models``), on one page."""
     st = state(request)
-    data = [_model_info(m) for m in routing.list_models(st.ctx, st.started_at)]
+    data = [_model_info(st.ctx, m) for m in routing.list_models(st.ctx, st.started_at)]
     first, last = (data[0].id, data[-1].id) if data else (None, None)
     return ModelInfoList(data=data, has_more=False, first_id=first, last_id=last).model_dump()
 
@@ -94,7 +101,7 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
     found = next((m for m in routing.list_models(st.ctx, st.started_at) if m["id"] == model_id), None)
     if found is None:
         raise NotFoundError(f"model: {model_id}", param="model_id", code="model_not_found")
-    return _model_info(found).model_dump()
+    return _model_info(st.ctx, found).model_dump()
 
 
 # -- Message Batches: the same durable batches as /v1/batches (services/batch_api/message_batches.py) ------------------

@@ -319,6 +319,9 @@ class ModelInfo(ResponseModel):
     id: str
     display_name: str
     created_at: str
+    lifecycle: Literal["active"] = "active"
+    #: the model's context length in tokens, where this server knows it (the resident model's)
+    max_input_tokens: int | None = None
 
 
 class ModelInfoList(ResponseModel):

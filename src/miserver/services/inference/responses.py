@@ -368,9 +368,10 @@ async def retrieve(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
 INPUT_ITEMS_LIMIT_MAX = 100
 
 
-def input_item_id(response_id: str, index: int) -> str:
-    """The id of the ``index``-th input item of a Response: the same on every read (pages go ``after`` it)."""
-    return "msg_" + hashlib.sha256(f"{response_id}:{index}".encode()).hexdigest()[:32]
+def input_item_id(turns: list[dict[str, str]], index: int) -> str:
+    """The id of the ``index``-th turn of a conversation: a digest of the conversation up to it, so the same on every
+    read (pages go ``after`` it) and the same in every Response that continues the conversation."""
+    return "msg_" + hashlib.sha256(json.dumps(turns[: index + 1]).encode()).hexdigest()[:32]
 
 
 async def input_items(
@@ -391,7 +392,7 @@ async def input_items(
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     items = [
         StoredInputItem(
-            id=input_item_id(response_id, i),
+            id=input_item_id(record.turns, i),
             role=turn["role"],  # type: ignore[arg-type]  # the roles a request may send
             content=[
                 InputItemOutputText(text=turn["content"])
