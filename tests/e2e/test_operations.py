@@ -7,10 +7,13 @@ a real HTTP server and verified with the ``standardwebhooks`` library (also acro
 from __future__ import annotations
 
 import json
+import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from click.testing import CliRunner
@@ -259,6 +262,38 @@ def test_cli_list_watch_pause_resume_cancel_retry_download(server: ServerProcess
     assert wait_terminal(client, large.id).status == "cancelled"
     refused = CliRunner().invoke(main, ["batch", "pause", batch.id, *url])
     assert refused.exit_code == 1 and "409 batch_not_active" in refused.output
+
+
+def test_an_endpoint_that_does_not_answer_holds_back_only_its_own_events(server: ServerProcess) -> None:
+    """Endpoint X (registered first, so first in the outbox) holds every request open; endpoint Y still gets its
+    event while X's attempt is in flight: none of X's attempts has failed yet when Y's arrives, where one queue
+    would have waited out X's attempt (10 s) first."""
+    client = server.client()
+    http = server.http()
+    release = threading.Event()
+    with Receiver(hold=release) as x, Receiver() as y:
+        ids = [
+            http.post("/api/webhooks", json={"url": r.url, "events": ["batch.completed"]}).json()["id"] for r in (x, y)
+        ]
+        try:
+            failed_before = _failed_attempts(http)
+            wait_terminal(client, submit(client, embed_lines("iso", 2), endpoint=EMBEDDINGS).id)
+            wait_for(lambda: x.waiting == 1, timeout=30)  # X's attempt is open
+            got = wait_for(y.delivered, timeout=30)
+            assert len(got) == 1 and x.waiting == 1
+            assert _failed_attempts(http) == failed_before, "Y's event waited for X's attempt to fail"
+        finally:
+            release.set()
+            for endpoint_id in ids:
+                http.delete(f"/api/webhooks/{endpoint_id}")
+
+
+def _failed_attempts(http: httpx.Client) -> float:
+    m = re.search(
+        r'^miserver_webhook_delivery_attempts_total\{result="failed"\} (\S+)', http.get("/metrics").text, re.M
+    )
+    assert m, "no failed-attempts counter on /metrics"
+    return float(m.group(1))
 
 
 def test_a_webhook_survives_kill_9_between_status_change_and_delivery(

@@ -19,9 +19,13 @@ class Received:
 
 @dataclass
 class Receiver:
-    """Answers every POST with ``status`` (settable while it runs) and records it in ``received``."""
+    """Answers every POST with ``status`` (settable while it runs) and records it in ``received``; with ``hold`` set,
+    a request waits for ``hold`` to be set before it is recorded and answered (an endpoint that does not answer),
+    and ``waiting`` counts the requests it holds."""
 
     status: int = 200
+    hold: threading.Event | None = None
+    waiting: int = 0
     received: list[Received] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: ThreadingHTTPServer | None = None
@@ -46,6 +50,12 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                if receiver.hold is not None:
+                    with receiver.lock:
+                        receiver.waiting += 1
+                    receiver.hold.wait(timeout=120)
+                    with receiver.lock:
+                        receiver.waiting -= 1
                 status = receiver.status
                 with receiver.lock:
                     headers = {k.lower(): v for k, v in self.headers.items()}

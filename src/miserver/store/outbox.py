@@ -11,6 +11,7 @@ least once; the row's ``id`` is the stable ``webhook-id`` a receiver deduplicate
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from sqlalchemy import bindparam, delete, func, insert, select, update
@@ -54,6 +55,8 @@ class Delivery:
     attempts: int
     url: str
     secret: str
+    #: the endpoint's id: a delivering process keeps at most one attempt in flight per endpoint
+    webhook_id: str = ""
 
 
 def _webhook(row: object) -> WebhookRecord:
@@ -182,12 +185,22 @@ _DUE_LOCKED = _DUE.with_for_update(skip_locked=True)
 
 
 async def claim_due(
-    conn: AsyncConnection, *, worker: str, now_ms: int, claim_ms: int, limit: int, skip_locked: bool
+    conn: AsyncConnection,
+    *,
+    worker: str,
+    now_ms: int,
+    claim_ms: int,
+    limit: int,
+    skip_locked: bool,
+    busy: Collection[str] = (),
 ) -> list[Delivery]:
-    """Take up to ``limit`` pending rows due at ``now_ms``: their ``next_attempt_at`` moves to ``now_ms + claim_ms``
-    in this statement's transaction (another process does not take them meanwhile; if this one dies, they are due
-    again then). Returns them with their endpoint's URL and secret, oldest first."""
+    """Take up to ``limit`` pending rows due at ``now_ms``, none for an endpoint among ``busy`` (endpoint ids whose
+    attempt is in flight): their ``next_attempt_at`` moves to ``now_ms + claim_ms`` in this statement's transaction
+    (another process does not take them meanwhile; if this one dies, they are due again then). Returns them with
+    their endpoint's URL and secret, oldest first."""
     due = _DUE_LOCKED if skip_locked else _DUE
+    if busy:
+        due = due.where(webhook_outbox.c.webhook_id.not_in(list(busy)))
     ids = [r[0] for r in (await conn.execute(due, {"b_now": now_ms, "b_limit": limit})).all()]
     if not ids:
         return []
@@ -203,7 +216,7 @@ async def claim_due(
         .order_by(webhook_outbox.c.id)
     )
     return [
-        Delivery(r.id, r.event_id, r.event_type, r.batch_id, r.payload, r.attempts, r.url, r.secret)
+        Delivery(r.id, r.event_id, r.event_type, r.batch_id, r.payload, r.attempts, r.url, r.secret, r.webhook_id)
         for r in (await conn.execute(q)).all()
     ]
 
