@@ -48,12 +48,13 @@ def test_batch_refuses_exactly_like_the_synchronous_route(module_server: ServerP
     assert (done.request_counts.total, done.request_counts.failed) == (len(REFUSED) + 1, len(REFUSED))
     errors = read_lines(client, done.error_file_id)
     assert [e["custom_id"] for e in errors] == [f"bad-{i}" for i in range(len(REFUSED))]
+    # the same status, code and message; the param named inside the line's body (OpenAI's Batch API form)
     for (status, error), got in zip(sync, errors, strict=True):
         assert got["response"]["status_code"] == status
-        assert got["response"]["body"]["error"] == error
+        assert got["response"]["body"]["error"] == {**error, "param": f"body.{error['param']}"}
     assert done.errors is not None and done.errors.data is not None
     assert [(e.code, e.param, e.line) for e in done.errors.data] == [
-        (err["code"], err["param"], i + 1) for i, (_, err) in enumerate(sync)
+        (err["code"], f"body.{err['param']}", i + 1) for i, (_, err) in enumerate(sync)
     ]
 
 
@@ -82,7 +83,7 @@ def test_encodings_blank_lines_and_line_numbers(module_server: ServerProcess) ->
         ("invalid_encoding", None, 4),
         ("invalid_value", "custom_id", 5),
         ("invalid_url", "url", 6),
-        ("streaming_unsupported", "stream", 7),
+        ("streaming_unsupported", "body.stream", 7),
     ]
     assert "'/v1/chat/completions'" in done.errors.data[2].message  # the hint names the right url
     out = read_lines(client, done.output_file_id)

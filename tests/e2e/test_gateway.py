@@ -181,7 +181,7 @@ def test_a_line_naming_a_model_nobody_serves_fails_the_batch_at_validation(clien
     assert done.status == "failed" and done.in_progress_at is None and done.output_file_id is None
     assert done.errors is not None and done.errors.data
     (entry,) = done.errors.data  # one entry per invalid line, nothing else (OpenAI's shape)
-    assert (entry.line, entry.code, entry.param) == (4, "model_not_found", "model")
+    assert (entry.line, entry.code, entry.param) == (4, "model_not_found", "body.model")
     assert "'nobody'" in (entry.message or "") and f"'{UP}'" in (entry.message or "")  # upstream models listed
     counts = done.request_counts
     assert counts is not None and counts.completed == 0 and counts.total == 5
