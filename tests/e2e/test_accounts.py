@@ -177,23 +177,30 @@ def test_keys_authentication_and_tenant_isolation(accounts: Accounts) -> None:
     assert total(mine, "requests") == 3
     assert usage_of(http, accounts.admin, key=a_id, kind="batch")["data"] == mine["data"]
 
+    # taking the model lease changes the model for everyone: a member key lacks models:write (403 naming it)
+    refused_scope = http.post("/api/lease", json={"holder": "x", "ttl_seconds": 60}, headers=_auth(a_key))
+    assert refused_scope.status_code == 403 and refused_scope.json()["error"]["code"] == "insufficient_scope"
+    assert "'models:write'" in refused_scope.json()["error"]["message"]
+    writers = {"scopes": ["inference", "batches", "files", "models:write"]}
+    _wa_id, wa_key, _wa = accounts.key("deployer-a", **writers)
+    _wb_id, wb_key, _wb = accounts.key("deployer-b", **writers)
     # the live lease's token is an admin's to see; its holder names a tenant's object, so another tenant reads a
     # neutral word, in GET /api/lease, the detailed health and a refusal's message alike; an admin sees all
-    taken = http.post("/api/lease", json={"holder": "a-deploy-7", "ttl_seconds": 60}, headers=_auth(a_key)).json()
+    taken = http.post("/api/lease", json={"holder": "a-deploy-7", "ttl_seconds": 60}, headers=_auth(wa_key)).json()
     try:
         seen = http.get("/api/lease", headers=_auth(b_key)).json()
         assert seen["holder"] == "another holder" and seen["lease"] is None
         health = http.get("/api/health/detailed", headers=_auth(b_key)).json()
         assert health["lease"]["holder"] == "another holder" and "a-deploy-7" not in json.dumps(health)
-        assert http.get("/api/lease", headers=_auth(a_key)).json()["holder"] == "a-deploy-7"
+        assert http.get("/api/lease", headers=_auth(wa_key)).json()["holder"] == "a-deploy-7"
         assert http.get("/api/lease", headers=_auth(accounts.admin)).json()["lease"] == taken["lease"]
         # B taking the lease, even under A's holder name, is refused without A's name or token
         for holder in ("b-job", "a-deploy-7"):
-            refused_lease = http.post("/api/lease", json={"holder": holder, "ttl_seconds": 60}, headers=_auth(b_key))
+            refused_lease = http.post("/api/lease", json={"holder": holder, "ttl_seconds": 60}, headers=_auth(wb_key))
             assert refused_lease.status_code == 409 and refused_lease.json()["error"]["code"] == "lease_held"
             assert "a-deploy-7" not in refused_lease.text and taken["lease"] not in refused_lease.text
         # the batches' own holder names are theirs alone
-        reserved = http.post("/api/lease", json={"holder": "millm-batch:x", "ttl_seconds": 60}, headers=_auth(b_key))
+        reserved = http.post("/api/lease", json={"holder": "millm-batch:x", "ttl_seconds": 60}, headers=_auth(wb_key))
         assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "holder"
     finally:
         released = http.post(f"/api/lease/{taken['lease']}/release", headers=_auth(accounts.admin))

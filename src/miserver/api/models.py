@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from ..protocol.parsing import parse_request
 from ..protocol.server import Catalogue, ModelList, ModelLoaded, ModelLoadRequest, ModelObject, ModelUnloaded
-from ..services.accounts.keys import require_admin
 from ..services.inference import routing
 from .common import json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
@@ -45,7 +44,7 @@ async def catalogue(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": await state(request).residency.catalogue()}
 
 
-@router.post("/api/models/load", dependencies=[Depends(require_admin)])  # admin keys only
+@router.post("/api/models/load")  # needs models:write (services/accounts/scopes.py)
 @documented(body=ModelLoadRequest, ok=ModelLoaded, errors=(400, 409, 500), headers=("strict", "lease"))
 async def load(request: Request) -> dict[str, Any]:
     """``{"model": id or path}``: make it the resident model (needs the lease when one is held)."""
@@ -57,7 +56,7 @@ async def load(request: Request) -> dict[str, Any]:
     return {"id": engine.info.model_id, "resident": True, "weights_revision": engine.info.weights_revision}
 
 
-@router.post("/api/models/unload", dependencies=[Depends(require_admin)])  # admin keys only
+@router.post("/api/models/unload")  # needs models:write (services/accounts/scopes.py)
 @documented(ok=ModelUnloaded, errors=CHANGE_ERRORS, headers=("lease",))
 async def unload(request: Request) -> dict[str, Any]:
     """Free the resident model (needs the lease when one is held). Batches wait with ``model_not_resident``."""

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from ..protocol.accounts import SCOPES
 from .base import _on_store, main, table
 
 _db_url = click.option(
@@ -36,6 +37,13 @@ def keys() -> None:
 @click.option("--balance", type=int, default=None, help="Opening balance in micro-units (default: unlimited).")
 @click.option("--max-pending-batches", type=int, default=None, help="Queue quota: batches not yet finished.")
 @click.option("--max-enqueued-tokens", type=int, default=None, help="Queue quota: input tokens in those batches.")
+@click.option(
+    "--scope",
+    "scopes",
+    multiple=True,
+    type=click.Choice(SCOPES),
+    help="A scope the key may use (repeat for several; none: inference, batches, files).",
+)
 @_db_url
 @_db_dir
 def keys_create(
@@ -44,6 +52,7 @@ def keys_create(
     balance: int | None,
     max_pending_batches: int | None,
     max_enqueued_tokens: int | None,
+    scopes: tuple[str, ...],
     database_url: str | None,
     data_dir: str,
 ) -> None:
@@ -53,11 +62,14 @@ def keys_create(
     Example:
       miserver keys create --name admin --admin
       miserver keys create --name team-a --balance 5000000 --max-pending-batches 3
+      miserver keys create --name deployer --scope inference --scope models:write
     """
     from ..services.accounts import keys as accounts
 
     body: dict[str, Any] = {"name": name, "admin": admin, "balance": balance}
     body.update(max_pending_batches=max_pending_batches, max_enqueued_tokens=max_enqueued_tokens)
+    if scopes:
+        body["scopes"] = list(scopes)
     from ..errors import APIError
 
     try:
@@ -66,7 +78,11 @@ def keys_create(
         raise click.ClickException(exc.message) from None
     record, key = _on_store(database_url, data_dir, lambda store: accounts.create_key(store, spec))
     click.echo(f"{key}")
-    click.echo(f"id {record.id}  name {record.name}  admin {record.admin}  balance {_money(record.balance)}", err=True)
+    shown = ",".join(s for s in SCOPES if s in accounts.scopes_of(record))
+    click.echo(
+        f"id {record.id}  name {record.name}  admin {record.admin}  scopes {shown}  balance {_money(record.balance)}",
+        err=True,
+    )
     click.echo("Keep the key now: it is not stored and cannot be shown again.", err=True)
 
 
@@ -74,7 +90,7 @@ def keys_create(
 @_db_url
 @_db_dir
 def keys_list(database_url: str | None, data_dir: str) -> None:
-    """List the keys (prefix, name, admin, balance, quotas, revoked), never the keys themselves.
+    """List the keys (prefix, name, admin, scopes, balance, quotas, revoked), never the keys themselves.
 
     \b
     Example:
@@ -89,14 +105,15 @@ def keys_list(database_url: str | None, data_dir: str) -> None:
             r.prefix,
             r.name,
             str(r.admin),
+            ",".join(s for s in SCOPES if s in accounts.scopes_of(r)),
             _money(r.balance),
             f"{r.max_pending_batches or '-'}b/{r.max_enqueued_tokens or '-'}t",
             str(r.revoked_at) if r.revoked_at else "-",
         )
         for r in records
     ]
-    header = ("id", "prefix", "name", "admin", "balance", "quotas", "revoked")
-    for text in table(header, rows, right={4}):
+    header = ("id", "prefix", "name", "admin", "scopes", "balance", "quotas", "revoked")
+    for text in table(header, rows, right={5}):
         click.echo(text)
 
 

@@ -20,6 +20,16 @@ MAX_AMOUNT = 2**53 - 1
 ALWAYS_STRICT = ConfigDict(strict=True, extra="allow", frozen=True, json_schema_extra={"additionalProperties": False})
 
 
+#: What a key may be allowed to use (OpenAI's project keys have permissions alike): ``inference`` (the synchronous
+#: inference routes and the model list), ``batches`` (Batches and Message Batches), ``files`` (the Files API),
+#: ``models:write`` (loading, unloading, weight writes, checkpoints, the catalogue and the model lease, all
+#: of which change the model for every tenant) and ``admin`` (keys, everyone's usage).
+Scope = Literal["inference", "batches", "files", "models:write", "admin"]
+SCOPES: tuple[str, ...] = ("inference", "batches", "files", "models:write", "admin")
+#: A key made with no ``scopes``, and every key made before scopes existed: everything but models:write and admin.
+MEMBER_DEFAULT_SCOPES: tuple[str, ...] = ("inference", "batches", "files")
+
+
 class KeyCreateRequest(RequestModel):
     """``POST /api/keys``: ``name`` (1-128 characters), ``admin``, ``balance`` (micro-units; null: unlimited) and
     the queue quotas (null: none). Always strict: an unknown field is refused (400 ``unknown_parameter``)."""
@@ -31,6 +41,8 @@ class KeyCreateRequest(RequestModel):
     balance: int | None = Field(default=None, ge=0, le=MAX_AMOUNT)
     max_pending_batches: int | None = Field(default=None, ge=0, le=MAX_AMOUNT)
     max_enqueued_tokens: int | None = Field(default=None, ge=0, le=MAX_AMOUNT)
+    #: the scopes the key may use (null: the member default; ``admin`` here is the same as ``admin: true``)
+    scopes: list[Scope] | None = Field(default=None, min_length=1)
 
 
 class TopUpRequest(RequestModel):
@@ -50,6 +62,8 @@ class KeyObject(ResponseModel):
     name: str
     prefix: str
     admin: bool
+    #: the scopes the key may use now (an admin key: every scope)
+    scopes: list[str]
     balance: int | None
     max_pending_batches: int | None
     max_enqueued_tokens: int | None

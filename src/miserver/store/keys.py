@@ -8,6 +8,7 @@ its usage record one transaction in :mod:`miserver.store.usage`. :func:`ledger` 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ class KeyRecord:
     max_enqueued_tokens: int | None
     created_at: int
     revoked_at: int | None
+    #: the scopes it was made with (None: the member default, which every key made before scopes has)
+    scopes: tuple[str, ...] | None = None
 
     @property
     def active(self) -> bool:
@@ -41,6 +44,7 @@ class KeyRecord:
         m = row._mapping
         values = {k: m[k] for k in cls.__dataclass_fields__}
         values["admin"] = bool(values["admin"])
+        values["scopes"] = None if values["scopes"] is None else tuple(json.loads(values["scopes"]))
         return cls(**values)
 
 
@@ -63,8 +67,10 @@ async def insert_key(
     max_pending_batches: int | None,
     max_enqueued_tokens: int | None,
     created_at: int,
+    scopes: tuple[str, ...] | None = None,
 ) -> KeyRecord:
-    """Insert a key; an opening ``balance`` above zero is also written as its first credit."""
+    """Insert a key (``scopes`` None: the member default); an opening ``balance`` above zero is also written as its
+    first credit."""
     await conn.execute(
         insert(api_keys).values(
             id=key_id,
@@ -76,6 +82,7 @@ async def insert_key(
             max_pending_batches=max_pending_batches,
             max_enqueued_tokens=max_enqueued_tokens,
             created_at=created_at,
+            scopes=None if scopes is None else json.dumps(list(scopes)),
         )
     )
     if balance is not None and balance > 0:

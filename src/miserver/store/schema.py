@@ -257,6 +257,8 @@ api_keys = Table(
     Column("digest", String(64), nullable=False, unique=True),
     Column("prefix", String(16), nullable=False),
     Column("admin", Boolean, nullable=False, server_default=text("false")),
+    # the scopes the key may use, as a JSON list; NULL: the member default (everything but models:write and admin)
+    Column("scopes", Text, nullable=True),
     Column("balance", BigInteger, nullable=True),
     Column("max_pending_batches", Integer, nullable=True),
     Column("max_enqueued_tokens", BigInteger, nullable=True),

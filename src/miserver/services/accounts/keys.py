@@ -37,11 +37,12 @@ from ...errors import (
 )
 from ...ids import ordered_id
 from ...model_lease import Lease, shown_holder
-from ...protocol.accounts import KeyCreateRequest, KeyObject, TopUpRequest
+from ...protocol.accounts import MEMBER_DEFAULT_SCOPES, SCOPES, KeyCreateRequest, KeyObject, TopUpRequest
 from ...protocol.parsing import parse_request
 from ...store import Store
 from ...store import keys as store_keys
 from ...store.keys import KeyRecord
+from .scopes import needed_scopes
 
 #: Characters of a key shown in lists (``sk-`` and the first 8 of the random part).
 PREFIX_CHARS = 11
@@ -72,6 +73,8 @@ class Principal:
     name: str
     admin: bool
     balance: int | None = None
+    #: the scopes it may use (an admin, and the caller of a server without keys: every scope)
+    scopes: frozenset[str] = frozenset(SCOPES)
 
     @property
     def owner(self) -> str | None:
@@ -160,6 +163,14 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def scopes_of(record: KeyRecord) -> frozenset[str]:
+    """The scopes a stored key may use: every scope for an admin key, the member default for a key made without
+    scopes (every key made before scopes existed), else those it was made with."""
+    if record.admin:
+        return frozenset(SCOPES)
+    return frozenset(MEMBER_DEFAULT_SCOPES if record.scopes is None else record.scopes)
+
+
 def key_object(record: KeyRecord, key: str | None = None) -> dict[str, Any]:
     """The JSON of a key (:class:`~miserver.protocol.accounts.KeyObject`): ``{id, object, name, prefix, admin,
     balance, max_pending_batches, max_enqueued_tokens, created_at, revoked_at}``, plus ``key`` only when just made
@@ -169,6 +180,7 @@ def key_object(record: KeyRecord, key: str | None = None) -> dict[str, Any]:
         name=record.name,
         prefix=record.prefix,
         admin=record.admin,
+        scopes=[s for s in SCOPES if s in scopes_of(record)],
         balance=record.balance,
         max_pending_batches=record.max_pending_batches,
         max_enqueued_tokens=record.max_enqueued_tokens,
@@ -181,14 +193,15 @@ def key_object(record: KeyRecord, key: str | None = None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class KeySpec:
-    """What a new key is: ``name`` (1-128 characters), ``admin``, ``balance`` (micro-units; None: unlimited) and
-    its queue quotas (None: none)."""
+    """What a new key is: ``name`` (1-128 characters), ``admin``, ``balance`` (micro-units; None: unlimited), its
+    queue quotas (None: none) and ``scopes`` (None: the member default; ``admin`` among them makes an admin key)."""
 
     name: str
     admin: bool = False
     balance: int | None = None
     max_pending_batches: int | None = None
     max_enqueued_tokens: int | None = None
+    scopes: tuple[str, ...] | None = None
 
     @classmethod
     def parse(cls, body: Any) -> KeySpec:
@@ -196,12 +209,14 @@ class KeySpec:
         (the model the OpenAPI document shows): 400 naming the field for anything else, unknown fields too
         (``unknown_parameter``)."""
         req = parse_request(KeyCreateRequest, body, strict=True)
+        scopes = None if req.scopes is None else tuple(s for s in SCOPES if s in req.scopes)
         return cls(
             name=req.name,
-            admin=req.admin,
+            admin=req.admin or (scopes is not None and "admin" in scopes),
             balance=req.balance,
             max_pending_batches=req.max_pending_batches,
             max_enqueued_tokens=req.max_enqueued_tokens,
+            scopes=scopes,
         )
 
 
@@ -224,6 +239,7 @@ async def create_key(store: Store, spec: KeySpec) -> tuple[KeyRecord, str]:
             max_pending_batches=spec.max_pending_batches,
             max_enqueued_tokens=spec.max_enqueued_tokens,
             created_at=now(),
+            scopes=spec.scopes,
         )
     return record, key
 
@@ -337,7 +353,9 @@ async def principal_for(store: Store, key: str | None) -> Principal:
         shown = key[:PREFIX_CHARS] + "..." if len(key) > PREFIX_CHARS else "***"
         state = "revoked" if record is not None else "incorrect"
         raise AuthenticationError(f"The API key provided ({shown}) is {state}.")
-    return Principal(key_id=record.id, name=record.name, admin=record.admin, balance=record.balance)
+    return Principal(
+        key_id=record.id, name=record.name, admin=record.admin, balance=record.balance, scopes=scopes_of(record)
+    )
 
 
 def _store(request: Request) -> Store:
@@ -363,6 +381,14 @@ async def authenticate(request: Request) -> Principal:
     principal = await principal_for(_store(request), presented_key(request))
     _current.set(principal)
     request.state.principal = principal
+    route = request.scope.get("route")
+    for needed in needed_scopes(request.method, getattr(route, "path", request.url.path), request.headers):
+        if needed not in principal.scopes:
+            raise PermissionDeniedError(
+                f"This API key lacks the '{needed}' scope that this request needs; an admin can make a key with it "
+                f'(POST /api/keys with "scopes", or miserver keys create --scope {needed}).',
+                code="insufficient_scope",
+            )
     if (
         request.method == "POST"
         and request.url.path in BILLED_ROUTES
