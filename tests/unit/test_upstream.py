@@ -8,6 +8,7 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from typing import Any
 
 import httpx
 import pytest
@@ -17,12 +18,12 @@ from miserver.engines.upstream.config import Timeouts, parse_entry, parse_upstre
 from miserver.engines.upstream.errors import normalize_error, stream_error
 from miserver.engines.upstream.gateway import Gateway, KnownUpstream, OnModels
 from miserver.engines.upstream.pool import UpstreamPool
-from miserver.engines.upstream.retry import RetryPolicy, retry_after, send
+from miserver.engines.upstream.retry import Answer, RetryPolicy, retry_after, send
 from miserver.errors import ModelNotFoundError, UpstreamUnavailableError
-from miserver.scheduling.admission import AdmissionGate
+from miserver.scheduling.admission import AdmissionGate, Priority
 from miserver.services.inference import routing as service
 from miserver.services.inference.chat import parse
-from miserver.services.inference.context import Call, ServiceContext, StreamResult
+from miserver.services.inference.context import Call, ServiceContext, StreamResult, StreamUsage
 
 
 def test_entries_with_options_and_the_problems_of_bad_ones() -> None:
@@ -372,3 +373,36 @@ async def test_a_seeded_model_the_upstream_no_longer_lists_takes_no_row_and_says
             defer_at_deadline=False,
         )
     await gw.close()
+
+
+def _stream_chunk(text: str, usage: dict[str, int] | None = None) -> str:
+    chunk: dict[str, Any] = {"model": "m", "choices": [{"index": 0, "delta": {"content": text}}]}
+    if usage is not None:
+        chunk["usage"] = usage
+    return "data: " + json.dumps(chunk)
+
+
+async def _relayed(lines: list[str]) -> tuple[list[str], StreamUsage]:
+    """Relay ``lines`` as an upstream's 200 stream; returns the payloads passed on and the counted usage."""
+    upstream = Upstream(parse_entry("u=http://u.test:1;max_in_flight=1"), Timeouts())
+    await upstream.acquire()
+    pool = UpstreamPool("m")
+    pool.join(upstream)
+    slot = await pool.gate.acquire(Priority.INTERACTIVE)
+    body = "".join(f"{x}\n\n" for x in lines).encode()
+    response = httpx.Response(200, stream=httpx.ByteStream(body))
+    answer = Answer(upstream, 200, b"", httpx.Headers(), response)
+    counted = StreamUsage()
+    relay = service._relay(answer, "m", pool, slot, counted, hide_usage=False, prompt_tokens=3)
+    return [x async for x in relay], counted
+
+
+async def test_a_stream_cut_before_its_usage_is_charged_the_tokens_it_delivered() -> None:
+    """The upstream closes the stream after two tokens, before its usage chunk: the tokens delivered are counted
+    (it charged them too), not nothing; a whole stream is counted as the upstream reports it."""
+    events, counted = await _relayed([_stream_chunk("Hel"), _stream_chunk("lo")])
+    assert "upstream_stream_cut" in events[-1]
+    assert (counted.known, counted.prompt_tokens, counted.completion_tokens) == (True, 3, 2)
+    whole = [_stream_chunk("Hi"), _stream_chunk("", usage={"prompt_tokens": 9, "completion_tokens": 5}), "data: [DONE]"]
+    events, counted = await _relayed(whole)
+    assert events[-1] == "[DONE]" and (counted.prompt_tokens, counted.completion_tokens) == (9, 5)

@@ -179,7 +179,8 @@ async def create(
         except BaseException:
             pool.gate.release(slot)
             raise
-        events = _relay(answer, model, pool, slot, counted, hide_usage)
+        prompt = _known_prompt_tokens(getattr(req, "prompt", None))
+        events = _relay(answer, model, pool, slot, counted, hide_usage, prompt)
         return StreamResult(events, _headers(answer, model, req), counted)
     async with pool.gate.hold(call.priority):
         answer = await send(pool, UPSTREAM_PATHS[endpoint], body, defer_at_deadline=False, **kwargs)
@@ -190,8 +191,29 @@ def _error_event(message: str, code: str) -> str:
     return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
 
 
+def _delivered_tokens(payload: dict[str, Any]) -> int:
+    """Tokens a stream chunk delivers: one per choice whose delta (chat) or text (completions) is not empty, as
+    engines stream one token a chunk."""
+    choices = payload.get("choices")
+    if not isinstance(choices, list):
+        return 0
+    count = 0
+    for choice in choices:
+        if isinstance(choice, dict):
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            count += bool(text)
+    return count
+
+
 async def _relay(
-    answer: Answer, model: str, pool: UpstreamPool, slot: Slot, counted: StreamUsage, hide_usage: bool
+    answer: Answer,
+    model: str,
+    pool: UpstreamPool,
+    slot: Slot,
+    counted: StreamUsage,
+    hide_usage: bool,
+    prompt_tokens: int = 1,
 ) -> AsyncIterator[str]:
     """The upstream's ``data:`` payloads with ``model`` rewritten; an error chunk is passed on in OpenAI's envelope
     and ends the stream, and a stream that ends (or breaks) before ``[DONE]`` ends with an
@@ -199,9 +221,14 @@ async def _relay(
 
     The usage the upstream reports is kept in ``counted`` (for billing); with ``hide_usage`` (the client did not ask
     for ``stream_options.include_usage``, which was asked of the upstream for it) the usage-only chunk is not passed
-    on and a usage object on another chunk is removed, so the client gets the stream it asked for."""
+    on and a usage object on another chunk is removed, so the client gets the stream it asked for. Until the
+    upstream reports its usage, ``counted`` holds the tokens delivered so far (and ``prompt_tokens``, the prompt's
+    tokens as far as they are known without the upstream's tokenizer): a stream cut before the upstream's usage
+    chunk, by the upstream or by the client, is charged those, as the upstream charges a cut stream."""
     assert answer.response is not None
     name = answer.upstream.name
+    delivered = 0
+    reported = False
     try:
         async for line in answer.response.aiter_lines():
             if not line.startswith("data:"):
@@ -224,13 +251,17 @@ async def _relay(
             if isinstance(payload, dict):
                 if "model" in payload:
                     payload["model"] = model
+                delivered += _delivered_tokens(payload)
                 usage = payload.get("usage")
                 if isinstance(usage, dict):
+                    reported = True
                     counted.set(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
                     if hide_usage:
                         if not payload.get("choices"):
                             continue  # the usage-only chunk the client did not ask for
                         del payload["usage"]
+                elif not reported:
+                    counted.progress(prompt_tokens, delivered)
             yield json.dumps(payload)
         yield _error_event(f"The upstream '{name}' closed the stream before it finished.", "upstream_stream_cut")
     except (httpx.HTTPError, TimeoutError) as exc:
@@ -239,11 +270,13 @@ async def _relay(
             f"The stream from the upstream '{name}' was cut: {type(exc).__name__}.", "upstream_stream_cut"
         )
     finally:
+        if not reported and delivered:  # cut before the upstream said its usage: charge what was delivered
+            counted.set(prompt_tokens, delivered)
         await answer.close()
         pool.gate.release(slot)
 
 
-# -- batch rows -----------------------------------------------------------------------------------------------
+# -- the model list ----------------------------------------------------------------------------------------------------
 
 
 def list_models(ctx: ServiceContext, created: int) -> list[dict[str, Any]]:
