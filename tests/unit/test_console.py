@@ -8,7 +8,7 @@ from importlib import resources
 
 from miserver.console.app import CSP
 from miserver.console.pages.create import window_choices
-from miserver.console.pages.render import money, window_label
+from miserver.console.pages.render import count, money, size, window_label
 from miserver.console.pages.usage import chart
 from miserver.console.sessions import FailureLimit, Sessions
 from miserver.console.state import safe_next
@@ -115,3 +115,14 @@ def test_chart_stacks_models_per_day_and_zero_fills() -> None:
     assert second["y"] + second["h"] == first["y"]  # stacked
     assert grid.value("2026-01-02", "a", "tokens") == 0  # a day without usage is drawn as zero
     assert [t["label"] for t in drawn["ticks"]] == ["01-01", "01-02", "01-03"]
+
+
+def test_sizes_and_counts_read_as_people_read_them() -> None:
+    assert [size(n) for n in (1, 12, 1536, 1_048_576, 209_715_200)] == [
+        "1 byte",
+        "12 bytes",
+        "1.5 KiB",
+        "1 MiB",
+        "200 MiB",
+    ]
+    assert count(50_000) == "50,000"

@@ -39,11 +39,16 @@ async def check_csrf(request: Request, form_token: str | None = None) -> None:
 
 def render(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> HTMLResponse:
     cs = console_state(request)
+    prices = cs.app_state.ctx.prices or PriceTable()
     base = {
         "principal": getattr(request.state, "principal", None),
         "csrf": session_of(request).csrf if getattr(request.state, "session", None) else None,
-        "currency": (cs.app_state.ctx.prices or PriceTable()).currency,
+        "currency": prices.currency,
+        "priced": prices.enabled,
         "money": money,
+        "cost": lambda micro: f"{money(micro)} {prices.currency}" if prices.enabled else "not priced",
+        "size": size,
+        "count": count,
         "when": when,
         "duration": duration,
         "window_label": window_label,
@@ -60,6 +65,22 @@ def render(request: Request, name: str, context: dict[str, Any], status_code: in
 def money(micro: int) -> str:
     """Micro-units as a decimal amount with 4 places (``1234567`` -> ``"1.2346"``)."""
     return f"{micro / 1_000_000:.4f}"
+
+
+def size(n: int) -> str:
+    """Bytes as a person reads them: ``209715200`` -> ``"200 MiB"``, ``1536`` -> ``"1.5 KiB"``, ``12`` ->
+    ``"12 bytes"``."""
+    if n < 1024:
+        return f"{n} byte{'' if n == 1 else 's'}"
+    value, units = n / 1024, ["KiB", "MiB", "GiB"]
+    while value >= 1024 and len(units) > 1:
+        value, units = value / 1024, units[1:]
+    return f"{value:.1f}".removesuffix(".0") + f" {units[0]}"
+
+
+def count(n: int) -> str:
+    """A count with thousands separators: ``50000`` -> ``"50,000"``."""
+    return f"{n:,}"
 
 
 def when(ts: int | None) -> str:
