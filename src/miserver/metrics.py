@@ -25,22 +25,14 @@ from prometheus_client.registry import Collector
 from .jobs import webhook_delivery as delivery
 from .protocol.batches import BATCH_STATUSES
 from .scheduling.admission import AdmissionGate, Priority
+from .services.accounts.scopes import INFERENCE_ROUTES
 from .store import Store
 from .store import operations as store_operations
 from .store import outbox as store_outbox
 from .store import rows as store_rows
 
 #: The synchronous inference routes whose latency is measured.
-INTERACTIVE_ROUTES = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/api/probes/score",
-        "/anthropic/v1/messages",
-    }
-)
+INTERACTIVE_ROUTES = INFERENCE_ROUTES
 #: ``engine_busy_fraction`` is a moving average over about this many seconds, sampled every ``SAMPLE_SECONDS``.
 BUSY_WINDOW_SECONDS = 60.0
 SAMPLE_SECONDS = 0.5

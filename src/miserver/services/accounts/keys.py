@@ -42,7 +42,7 @@ from ...protocol.parsing import parse_request
 from ...store import Store
 from ...store import keys as store_keys
 from ...store.keys import KeyRecord
-from .scopes import needed_scopes
+from .scopes import INFERENCE_ROUTES, needed_scopes
 
 #: Characters of a key shown in lists (``sk-`` and the first 8 of the random part).
 PREFIX_CHARS = 11
@@ -52,16 +52,7 @@ OPEN_ROUTES = frozenset({("GET", "/api/health"), ("GET", "/openapi.json"), ("GET
 #: Path prefixes open to ``GET`` in the same way: the Swagger UI files the ``/docs`` page loads.
 OPEN_PREFIXES = ("/docs/static/",)
 #: ``POST`` routes that run inference: they answer 402 when the caller's balance is used up.
-BILLED_ROUTES = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/api/probes/score",
-        "/anthropic/v1/messages",
-    }
-)
+BILLED_ROUTES = INFERENCE_ROUTES
 
 
 @dataclass(frozen=True)

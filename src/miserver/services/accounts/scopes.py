@@ -14,21 +14,22 @@ from collections.abc import Mapping
 
 _CONVERTER = re.compile(r"\{(\w+):\w+\}")
 
+#: ``POST`` routes that run inference on an engine (they are billed, and need ``inference``).
+INFERENCE_ROUTES = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/api/probes/score",
+        "/anthropic/v1/messages",
+    }
+)
+
 #: ``(method, route path)`` -> the scope it needs. Route paths are the routes' templates without converters
 #: (``{model_id}`` for ``{model_id:path}``).
 ROUTE_SCOPES: dict[tuple[str, str], str] = {
-    **{
-        ("POST", path): "inference"
-        for path in (
-            "/v1/chat/completions",
-            "/v1/completions",
-            "/v1/embeddings",
-            "/v1/responses",
-            "/api/probes/score",
-            "/anthropic/v1/messages",
-            "/anthropic/v1/messages/count_tokens",
-        )
-    },
+    **{("POST", path): "inference" for path in (*INFERENCE_ROUTES, "/anthropic/v1/messages/count_tokens")},
     ("GET", "/v1/responses/{response_id}"): "inference",
     ("DELETE", "/v1/responses/{response_id}"): "inference",
     ("GET", "/v1/responses/{response_id}/input_items"): "inference",
