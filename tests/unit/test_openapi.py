@@ -17,6 +17,7 @@ from miserver.protocol.batches import Batch, BatchCreateRequest, BatchInputLine,
 from miserver.protocol.chat import ChatCompletion, ChatCompletionRequest
 from miserver.protocol.embeddings import EmbeddingRequest
 from miserver.protocol.errors import AnthropicErrorResponse, ErrorResponse
+from miserver.services.accounts.scopes import ROUTE_SCOPES
 from miserver.settings import Settings
 
 BODY_METHODS = {"post", "put", "patch"}
@@ -154,7 +155,7 @@ def test_documented_refuses_an_unexplained_status() -> None:
 
 def test_auth_errors_follow_the_route(app_and_document: tuple[Any, dict[str, Any]]) -> None:
     """401 on every route but the liveness probe; 403 exactly on the admin-only ones (``require_admin``, on the
-    route or its router); 402 on the inference routes."""
+    route or its router) and on those that need a scope a key may lack; 402 on the inference routes."""
     _, document = app_and_document
     paths = document["paths"]
     admin_only = {
@@ -163,11 +164,11 @@ def test_auth_errors_follow_the_route(app_and_document: tuple[Any, dict[str, Any
         ("get", "/api/keys/{key_id}"),
         ("post", "/api/keys/{key_id}/revoke"),
         ("post", "/api/keys/{key_id}/top_up"),
-        ("post", "/api/models/load"),
-        ("post", "/api/models/unload"),
     }
+    scoped = {(m.lower(), p) for m, p in ROUTE_SCOPES}
     with_403 = {(m, p) for p, item in paths.items() for m, op in item.items() if "403" in op["responses"]}
-    assert with_403 == admin_only
+    assert with_403 == admin_only | scoped, sorted(with_403 ^ (admin_only | scoped))
+    assert ("post", "/api/models/load") in with_403 and ("get", "/api/health/detailed") not in with_403
     assert "401" not in paths["/api/health"]["get"]["responses"]
     assert "401" in paths["/api/account"]["get"]["responses"]
     assert "402" in paths["/v1/chat/completions"]["post"]["responses"]

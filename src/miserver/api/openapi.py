@@ -37,6 +37,7 @@ from pydantic.json_schema import models_json_schema
 from ..errors import ANTHROPIC_PREFIX
 from ..protocol.errors import AnthropicErrorResponse, ErrorResponse
 from ..services.accounts.keys import BILLED_ROUTES, is_open, require_admin
+from ..services.accounts.scopes import needed_scopes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -207,11 +208,13 @@ def _models(routes: list[tuple[str, Documentation]]) -> list[tuple[type[BaseMode
 
 def _auth_errors(method: str, path: str, admin: bool) -> tuple[int, ...]:
     """What authentication adds to a route's errors (``services/accounts.authenticate``): 401 on every route but the
-    open ones, 402 on the inference routes, 403 on the admin-only ones (``require_admin``)."""
+    open ones, 402 on the inference routes, 403 on the admin-only ones (``require_admin``) and on those that need a
+    scope (``insufficient_scope``, :data:`~miserver.services.accounts.scopes.ROUTE_SCOPES`)."""
     if is_open(method, path):
         return ()
     billed = (402,) if method.upper() == "POST" and path in BILLED_ROUTES else ()
-    return (401, *billed, *((403,) if admin else ()))
+    refused = admin or needed_scopes(method, path, {}) != ()
+    return (401, *billed, *((403,) if refused else ()))
 
 
 def _operation(
