@@ -371,7 +371,8 @@ def test_input_items_list_the_conversation_that_went_in(client: openai.OpenAI) -
     assert roles == [("message", "user"), ("message", "assistant"), ("message", "user")]
     texts = [part.text for item in items.data for part in item.content]  # type: ignore[union-attr]
     assert texts[0] == "Name a colour." and texts[2] == "And another one."
-    assert texts[1] == first.output_text  # the earlier answer, as it was returned
+    assert texts[1] == first.output_text  # the earlier answer, as it was returned, under its own message id
+    assert items.data[1].id == first.output[0].id
     assert items.data[1].content[0].type == "output_text"  # type: ignore[union-attr]
     newest_first = client.responses.input_items.list(second.id)
     assert [i.id for i in newest_first.data] == [i.id for i in reversed(items.data)]

@@ -148,7 +148,8 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCrea
 def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
     """The chat completion request that computes ``req`` (``turns``: the earlier turns and the input)."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    body: dict[str, Any] = {"model": req.model, "messages": system + turns}
+    messages = [{"role": t["role"], "content": t["content"]} for t in turns]  # a stored answer's id stays out
+    body: dict[str, Any] = {"model": req.model, "messages": system + messages}
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
     if req.temperature is not None:
@@ -239,8 +240,14 @@ def _response(
     ).model_dump()
 
 
+def _answer_id(response: dict[str, Any]) -> dict[str, str]:
+    output = response.get("output") or []
+    return {"id": str(output[0]["id"])} if output and isinstance(output[0], dict) and output[0].get("id") else {}
+
+
 async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns, text: str) -> None:
-    """Keep ``response`` and its conversation (``turns`` then its answer) for :data:`RETENTION_SECONDS`."""
+    """Keep ``response`` and its conversation (``turns`` then its answer, with the answer's message id, which it
+    keeps as an input item of the Responses that continue it) for :data:`RETENTION_SECONDS`."""
     created = int(response["created_at"])
     record = StoredResponse(
         id=response["id"],
@@ -248,7 +255,7 @@ async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns, tex
         created_at=created,
         expires_at=created + RETENTION_SECONDS,
         body=response,
-        turns=[*turns, {"role": "assistant", "content": text}],
+        turns=[*turns, {"role": "assistant", "content": text, **_answer_id(response)}],
         owner_key_id=accounts.current().owner,
     )
     at = now()
@@ -369,8 +376,9 @@ INPUT_ITEMS_LIMIT_MAX = 100
 
 
 def input_item_id(turns: list[dict[str, str]], index: int) -> str:
-    """The id of the ``index``-th turn of a conversation: a digest of the conversation up to it, so the same on every
-    read (pages go ``after`` it) and the same in every Response that continues the conversation."""
+    """The id of the ``index``-th turn of a conversation that has none of its own (an input turn; an earlier answer
+    keeps its output message's id): a digest of the conversation up to it, so the same on every read (pages go
+    ``after`` it) and the same in every Response that continues the conversation."""
     return "msg_" + hashlib.sha256(json.dumps(turns[: index + 1]).encode()).hexdigest()[:32]
 
 
@@ -392,7 +400,7 @@ async def input_items(
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
     items = [
         StoredInputItem(
-            id=input_item_id(record.turns, i),
+            id=turn.get("id") or input_item_id(record.turns, i),
             role=turn["role"],  # type: ignore[arg-type]  # the roles a request may send
             content=[
                 InputItemOutputText(text=turn["content"])
