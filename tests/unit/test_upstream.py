@@ -140,6 +140,8 @@ class _Member:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if self.state == "killed":
             raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if self.state == "killed_while_connecting":  # what anyio raises when the socket is gone as it connects
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
         model = "m" if self.state == "up" else "other"
         if request.method == "GET":
             return httpx.Response(200, json={"object": "list", "data": [{"id": model, "object": "model"}]})
@@ -148,6 +150,31 @@ class _Member:
             error = {"message": "No model 'm'.", "type": "invalid_request_error", "code": "model_not_found"}
             return httpx.Response(404, json={"error": error})
         return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": model, "choices": []})
+
+
+async def test_a_member_killed_while_its_connection_is_made_is_retried_on_the_other() -> None:
+    """The transport's failure outside httpx's errors (anyio asking a socket already gone for its peer) is a connect
+    error: the row goes to the live member, as for any connection refused (it failed the row before)."""
+    a, b = _Member("a"), _Member("b")
+    pool = UpstreamPool("m")
+    for member in (a, b):
+        assert await member.upstream.probe()
+        pool.join(member.upstream)
+    a.state = "killed_while_connecting"
+    policy, deadline = RetryPolicy(max_attempts=3, base=0.001), time.monotonic() + 60
+    for i in range(3):  # whichever member the pool picks first
+        answer = await send(
+            pool,
+            "/chat/completions",
+            {"model": "m"},
+            request_id=f"r{i}",
+            policy=policy,
+            deadline=deadline,
+            defer_at_deadline=False,
+        )
+        assert (answer.status, answer.upstream) == (200, b.upstream)
+    with pytest.raises(httpx.ConnectError):
+        await a.upstream.send("POST", "/chat/completions", headers={}, content=b"{}", timeout=5)
 
 
 async def test_rows_to_a_killed_member_go_to_the_live_one_and_never_to_a_server_on_its_old_port() -> None:

@@ -167,7 +167,10 @@ class Upstream:
         (:data:`STALE_CONNECTION_ERRORS`); the pool drops it and the request goes again at once, as many times as
         the pool holds connections (each could be such a one) and once more on a new connection, after which the
         error is raised (the server really closes connections on this request: it is down or broken). Raises what
-        ``httpx`` raises, and ``TimeoutError`` when ``timeout`` passes.
+        ``httpx`` raises, and ``TimeoutError`` when ``timeout`` passes. A server killed while the connection is being
+        made can make the transport fail outside httpx's errors (anyio asks a socket already gone for its peer:
+        ``AttributeError``); that is raised as the :class:`httpx.ConnectError` it is, so the retry loop treats it as
+        one.
         """
         for left in range(self.pool_size, -1, -1):
             request = self.client.build_request(method, path, content=content, headers=headers)
@@ -176,6 +179,8 @@ class Upstream:
             except STALE_CONNECTION_ERRORS:
                 if left == 0:
                     raise
+            except AttributeError as exc:
+                raise httpx.ConnectError(f"The connection was lost while it was made: {exc}", request=request) from exc
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
