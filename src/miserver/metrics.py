@@ -6,7 +6,8 @@ Series (all prefixed ``miserver_``):
 - ``batch_rows{outcome="completed"|"failed"}``: rows recorded over the stored batches;
 - ``batch_backlog_rows``: rows not yet run across active batches;
 - ``batch_rows_per_second{model,endpoint}`` and ``batch_tokens_per_second{model,endpoint}``: the measured rates;
-- ``admission_queue_depth{priority="interactive"|"batch"}``: requests waiting for the engine's slot;
+- ``admission_queue_depth{priority="interactive"|"batch"}``: requests waiting for the engine (at the admission gate,
+  or admitted and waiting for a slot of the resident engine's step scheduler);
 - ``interactive_request_seconds{route}``: a histogram of the synchronous inference routes' latency;
 - ``engine_busy_fraction``: share of the last minute the engine's slots were in use (sampled twice a second);
 - ``webhook_events{state="pending"|"delivered"|"failed"}``: the outbox; ``webhook_delivery_attempts_total{result}``:
@@ -120,11 +121,18 @@ class Metrics:
         for (model, endpoint), rate in rates.items():
             self.rows_rate.labels(model=model, endpoint=endpoint).set(rate.rows_per_second)
             self.tokens_rate.labels(model=model, endpoint=endpoint).set(rate.tokens_per_second)
-        self.queue.labels(priority="interactive").set(gate.queue_length(Priority.INTERACTIVE))
-        self.queue.labels(priority="batch").set(gate.queue_length(Priority.BATCH))
+        self.queue.labels(priority="interactive").set(waiting(gate, engine, Priority.INTERACTIVE))
+        self.queue.labels(priority="batch").set(waiting(gate, engine, Priority.BATCH))
         for state, count in events.items():
             self.webhook_events.labels(state=state).set(count)
         generated = getattr(engine, "generated_tokens", None)
         if isinstance(generated, int):
             self.generated.set(generated)
         return generate_latest(self.registry)
+
+
+def waiting(gate: AdmissionGate, engine: object, priority: Priority) -> int:
+    """Requests of ``priority`` waiting for the engine: queued at ``gate``, plus those the gate let through that wait
+    for a slot of ``engine``'s step scheduler (an engine without one, such as the gateway's, adds none)."""
+    scheduler = getattr(engine, "scheduler", None)
+    return gate.queue_length(priority) + (0 if scheduler is None else int(scheduler.waiting(priority)))

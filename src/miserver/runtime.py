@@ -45,6 +45,8 @@ async def load_engine(settings: Settings) -> Engine:
         served_model_name=settings.served_model_name,
         cache_dir=settings.cache_dir,
         device=settings.device,
+        max_sequences=settings.max_sequences,
+        batch_slots=settings.batch_generate_slots,
     )
 
 
@@ -175,7 +177,9 @@ async def start_runtime(
         raise
     ctx = ServiceContext(
         engine=engine,
-        gate=AdmissionGate(1),
+        # wide: the engine's step scheduler admits each sequence; the gate keeps model-life operations (exclusive)
+        # apart from requests and batch chunks
+        gate=AdmissionGate(settings.max_sequences + 1),
         rng=random.Random(settings.seed),
         store=store,
         prices=prices,

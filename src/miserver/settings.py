@@ -64,6 +64,14 @@ class Settings(BaseSettings):
         description="CPU threads of one forward pass of the resident model (torch.set_num_threads); default: "
         "torch's, one per core. Fewer where other processes share the cores",
     )
+    max_sequences: int = Field(
+        24,
+        validation_alias=_env("MISERVER_MAX_SEQUENCES"),
+        ge=1,
+        description="sequences the resident model decodes at once, every class together: interactive requests join "
+        "above the batch rows' BATCH_GENERATE_SLOTS up to this cap (more wait for a free one, first come first "
+        "served)",
+    )
     seed: int | None = Field(
         None, validation_alias=_env("MISERVER_SEED"), description="server seed for requests without one"
     )
@@ -116,8 +124,9 @@ class Settings(BaseSettings):
         16,
         validation_alias=_env("BATCH_GENERATE_SLOTS"),
         ge=1,
-        description="sequences of a pack: true batch's generation rows that decode in one forward pass (continuous "
-        "batching; a finished sequence's slot goes to the next row). 1 runs generation rows one at a time",
+        description="batch rows' sequences the resident model decodes at once (the batch slots of its step "
+        "scheduler; a finished sequence's slot goes to the next row); interactive requests come on top, up to "
+        "MISERVER_MAX_SEQUENCES. 1 runs generation rows one at a time",
     )
     batch_claim_ttl_seconds: float = Field(
         30.0,

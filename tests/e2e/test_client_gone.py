@@ -31,7 +31,10 @@ ROUTES: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with tiny_server_process(tiny_model_dir, tmp_path_factory.mktemp("gone"), log_level="info") as proc:
+    # one sequence at a time, so that a second request really waits for the engine's slot (the step scheduler would
+    # otherwise run it beside the first)
+    env = {"MISERVER_MAX_SEQUENCES": "1"}
+    with tiny_server_process(tiny_model_dir, tmp_path_factory.mktemp("gone"), log_level="info", env=env) as proc:
         yield proc
 
 
@@ -44,7 +47,7 @@ def generated(server: ServerProcess) -> int:
 
 
 def waiting(server: ServerProcess) -> int:
-    """Interactive requests waiting for an engine slot, read from ``/metrics``."""
+    """Interactive requests waiting for the engine (at the gate or for a scheduler slot), read from ``/metrics``."""
     text = server.http().get("/metrics").text
     m = re.search(r'^miserver_admission_queue_depth\{priority="interactive"\} (\d+(?:\.\d+)?)', text, re.M)
     assert m, "no interactive queue depth on /metrics"

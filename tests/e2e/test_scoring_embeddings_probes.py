@@ -131,7 +131,9 @@ def test_scoring_rows_pack_false_is_the_sync_result_and_pack_true_agrees(server:
     client = server.client()
     http = server.http()
     bodies = [scoring_body(t) for t in TEXTS] + [scoring_body("write a line", max_tokens=4), scoring_body(LONG)]
-    sync = [http.post("/v1/chat/completions", json=b) for b in bodies]
+    # the synchronous reference runs batch-invariant, as pack: false rows always do
+    invariant = {"X-miLLM-Batch-Invariant": "true"}
+    sync = [http.post("/v1/chat/completions", json=b, headers=invariant) for b in bodies]
     out, err = run_batch(client, "/v1/chat/completions", bodies, pack=False)
     for i, r in enumerate(sync[:-1]):
         response = out[f"r{i}"]["response"]

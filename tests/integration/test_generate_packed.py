@@ -1,8 +1,7 @@
 """Batched generation in the one row loop (``batches.chunks.run_chunk``) on a ``pack: true`` window, on SQLite and
 PostgreSQL, with the tiny model: generation rows decode together and say ``packed: true``, each row gets what it
 asked for (same text as ``pack: false`` at temperature 0), a short row is recorded before a long one that started
-with it, and a waiting interactive request ends the packed decode at the next step, the rows in flight staying
-pending and recorded once when the window runs again.
+with it, and an interactive request joins the decode at the next step without ending it or dropping a row.
 """
 
 from __future__ import annotations
@@ -110,19 +109,22 @@ async def test_generation_rows_decode_together(engine: LocalEngine, store: Store
     assert recorded_order[-1] == "r0"
 
 
-async def test_an_interactive_request_ends_the_packed_decode_at_a_step(
-    engine: LocalEngine, store: Store, recorded_order: list[str], monkeypatch: pytest.MonkeyPatch
+async def test_an_interactive_request_joins_the_packed_decode_at_the_next_step(
+    engine: LocalEngine, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gate = AdmissionGate(1)
+    gate = AdmissionGate(4)  # wide, as the resident engine's: the step scheduler admits each sequence
     ctx = ServiceContext(engine=engine, gate=gate, rng=random.Random(0), store=store)
     bodies = [body("hi", 2), body("tell me about the sea", 20), body("and the ships", 20), body("ok", 3)]
     rows = await claimed_batch(store, bodies, "t1")
     slot = await gate.acquire(Priority.BATCH)  # the chunk's slot, as the runner holds it
-    waiter: list[asyncio.Task[Any]] = []
+    chat: list[asyncio.Task[Any]] = []
+    at_arrival: list[int] = []
 
     def on_record(_custom_id: str) -> None:  # an interactive request arrives once the first row is recorded
-        if not waiter:
-            waiter.append(asyncio.create_task(gate.acquire(Priority.INTERACTIVE)))
+        if not chat:
+            at_arrival.append(engine.scheduler.steps)
+            call = Call(strict=True)
+            chat.append(asyncio.create_task(SERVICES["/v1/chat/completions"].create(ctx, body("yo", 2), call)))
 
     real = chunks.result_line
 
@@ -131,19 +133,26 @@ async def test_an_interactive_request_ends_the_packed_decode_at_a_step(
         return real(custom_id, *args, **kwargs)
 
     monkeypatch.setattr(chunks, "result_line", spy)
+    admitted: list[tuple[int, int]] = []  # (step, batch sequences in flight) as each interactive request starts
+    count = engine.scheduler.on_start
+
+    def watch(request: Any) -> None:
+        if request.priority == Priority.INTERACTIVE:
+            admitted.append((engine.scheduler.steps, engine.scheduler.in_flight))
+        assert count is not None
+        count(request)
+
+    monkeypatch.setattr(engine.scheduler, "on_start", watch)
     before = engine.executions
-    report = await run_window(ctx, store, rows, packing.runner_plan(SETTINGS), recorded_order, slot=slot)
-    assert report.recorded == 1, "the 2-token row, then the decode ends at the next step for the waiting request"
-    assert engine.executions - before == 3  # three slots started; the fourth row never began
-    async with store.tx() as conn:
-        assert await sr.count_pending(conn, "batch_1") == 3
+    report = await run_window(ctx, store, rows, packing.runner_plan(SETTINGS), [], slot=slot)
     gate.release(slot)
-    gate.release(await waiter[0])
-    # The window again over its unrecorded rows (still claimed): the rows dropped in flight run now, once each.
-    left = [r for r in rows if r.custom_id not in await results(store)]
-    assert [r.custom_id for r in left] == ["r1", "r2", "r3"]
-    report = await run_window(ctx, store, left, packing.runner_plan(SETTINGS), recorded_order)
-    assert report.recorded == 3
+    answer = await chat[0]
+    assert report.recorded == 4, "no batch row is dropped or ended for the interactive request"
+    assert engine.executions - before == 5, "each row once, and the interactive request"
+    (step, beside), *_ = admitted
+    assert step <= at_arrival[0] + 1, "admitted at the next step, not after a batch row's end"
+    assert beside >= 1, "it joined while batch rows were in flight"
+    assert answer.status_code == 200 and answer.headers["X-miLLM-Batch-Invariant"] == "false"
     done = await results(store)
     assert sorted(done) == ["r0", "r1", "r2", "r3"]
     assert all(line["response"]["status_code"] == 200 for line in done.values())

@@ -151,9 +151,16 @@ async def test_a_stop_ends_at_the_next_step_and_drops_the_rows_in_flight(engine:
     requests = [req(engine, PROMPTS[0], max_tokens=2, temperature=0)] + [
         req(engine, t, max_tokens=20, temperature=0) for t in PROMPTS[1:4]
     ]
-    seen: list[int] = []
+    first = engine.scheduler.steps
     before = engine.executions
-    async for g in engine.generate_many(requests, slots=2, should_stop=lambda: bool(seen)):
-        seen.append(g.index)
-    assert seen == [0], "the short row, then the stop: the long row in flight is not yielded"
-    assert engine.executions - before == 2, "the freed slot would be refilled at the next step, which never came"
+    seen = [
+        g.index
+        async for g in engine.generate_many(requests, slots=2, should_stop=lambda: engine.scheduler.steps - first >= 2)
+    ]
+    # step 0 starts rows 0 and 1 (two slots) and row 0 ends (2 tokens); step 1 gives its slot to row 2; before step 2
+    # the stop is seen: rows 1 and 2 leave unfinished and row 3 never starts
+    assert seen == [0], "the short row, then the stop: the long rows in flight are not yielded"
+    assert engine.executions - before == 3
+    await engine.scheduler.idle()
+    assert engine.scheduler.steps - first == 2, "no step ran after the stop"
+    assert engine.scheduler.in_flight == 0

@@ -122,7 +122,7 @@ def test_extension_fields_are_in_the_document(app_and_document: tuple[Any, dict[
     assert "millm" in schemas["Batch"]["properties"]
     assert "millm" in schemas["BatchOutputLine"]["properties"]
     chat = document["paths"]["/v1/chat/completions"]["post"]
-    assert {p["name"] for p in chat["parameters"]} == {"X-miLLM-Strict", "X-miLLM-Lease"}
+    assert {p["name"] for p in chat["parameters"]} == {"X-miLLM-Strict", "X-miLLM-Lease", "X-miLLM-Batch-Invariant"}
     assert "text/event-stream" in chat["responses"]["200"]["content"]
     upload = document["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]
     assert upload["x-jsonl-line-schema"] == {"$ref": "#/components/schemas/BatchInputLine"}

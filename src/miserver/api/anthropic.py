@@ -33,7 +33,7 @@ from ..services.batch_api import message_batches
 from ..services.inference import messages, routing
 from ..services.inference.context import Call, ServiceContext, StreamResult
 from ..services.inference.registry import SERVICES
-from .common import json_body, lease_header, state, strict_mode
+from .common import batch_invariant, json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
@@ -44,12 +44,16 @@ BATCHES = "/anthropic/v1/messages/batches"
 
 @router.post(MESSAGES)
 @documented(
-    body=MessagesRequest, ok=Message, stream=True, errors=(400, 404, 409, 500, 529), headers=("strict", "lease")
+    body=MessagesRequest,
+    ok=Message,
+    stream=True,
+    errors=(400, 404, 409, 500, 529),
+    headers=("strict", "lease", "invariant"),
 )
 async def create_message(request: Request) -> Response:
     """A Message, or its Server-Sent Events when ``stream`` is true."""
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=lease_header(request))
+    call = Call(strict=strict_mode(request), lease=lease_header(request), invariant=batch_invariant(request))
     result = await SERVICES[MESSAGES].create(state(request).ctx, body, call)
     if isinstance(result, StreamResult):
         events = result.events

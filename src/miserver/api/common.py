@@ -56,7 +56,8 @@ async def json_body(request: Request) -> Any:
     return decode_json(await request.body())
 
 
-#: The values of ``X-miLLM-Strict`` that miServer understands (compared case-insensitively), and what each means.
+#: The values of a true/false header (``X-miLLM-Strict``, ``X-miLLM-Batch-Invariant``) that miServer understands
+#: (compared case-insensitively), and what each means.
 STRICT_VALUES: dict[str, bool] = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -66,13 +67,25 @@ def strict_mode(request: Request) -> bool:
     The header takes ``true``/``false``, ``1``/``0`` or ``yes``/``no`` in any case; absent or empty, the request is
     not strict. Any other value is 400 ``invalid_value`` (param ``X-miLLM-Strict``), never read as "not strict".
     """
-    value = request.headers.get("x-millm-strict", "").strip().lower()
+    return bool_header(request, "X-miLLM-Strict")
+
+
+def batch_invariant(request: Request) -> bool:
+    """``X-miLLM-Batch-Invariant: true`` runs the request alone at every decode step of the resident engine, so its
+    result never depends on what else runs (as a ``pack: false`` batch row). Values as :func:`strict_mode`."""
+    return bool_header(request, "X-miLLM-Batch-Invariant")
+
+
+def bool_header(request: Request, name: str) -> bool:
+    """A true/false header (``true``/``false``, ``1``/``0``, ``yes``/``no`` in any case; absent or empty: false).
+    Raises 400 ``invalid_value`` naming the header for any other value."""
+    value = request.headers.get(name.lower(), "").strip().lower()
     if not value:
         return False
     if value not in STRICT_VALUES:
         raise InvalidRequestError(
-            "Invalid 'X-miLLM-Strict' header: use true or false (1/0 and yes/no are accepted too).",
-            param="X-miLLM-Strict",
+            f"Invalid '{name}' header: use true or false (1/0 and yes/no are accepted too).",
+            param=name,
         )
     return STRICT_VALUES[value]
 

@@ -6,8 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from ..metrics import waiting
 from ..protocol.server import Health, HealthDetailed
-from ..scheduling.admission import Priority
+from ..scheduling.admission import AdmissionGate, Priority
 from ..services.accounts import keys as accounts
 from ..store import rows as store_rows
 from .common import state
@@ -36,10 +37,10 @@ async def health_detailed(request: Request) -> dict[str, Any]:
         "database": "sqlite" if st.store.is_sqlite else "postgresql",
         "inference": {
             "batch_backlog_rows": backlog,
-            "slots": {"total": gate.slots, "in_use": gate.in_use},
+            "slots": _slots(engine, gate),
             "queues": {
-                "interactive": gate.queue_length(Priority.INTERACTIVE),
-                "batch": gate.queue_length(Priority.BATCH),
+                "interactive": waiting(gate, engine, Priority.INTERACTIVE),
+                "batch": waiting(gate, engine, Priority.BATCH),
             },
         },
         "model": None
@@ -55,3 +56,12 @@ async def health_detailed(request: Request) -> dict[str, Any]:
         "lease": accounts.shown_lease(lease) if lease else None,  # the token for admins only
         "upstreams": [] if st.ctx.gateway is None else accounts.shown_upstreams(st.ctx.gateway.status()),
     }
+
+
+def _slots(engine: object, gate: AdmissionGate) -> dict[str, int]:
+    """The resident engine's sequence slots (a step-scheduling engine: its cap and the sequences in flight), else
+    the gate's."""
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is not None:
+        return {"total": int(scheduler.max_sequences), "in_use": int(scheduler.in_flight)}
+    return {"total": gate.slots, "in_use": gate.in_use}

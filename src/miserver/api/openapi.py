@@ -85,9 +85,15 @@ HEADERS: dict[str, tuple[str, str]] = {
     ),
     "lease": ("X-miLLM-Lease", "A live model lease: the request runs under it (needed while a holder has one)."),
     "idempotency": ("Idempotency-Key", "A retry under the same key gets the first answer again."),
+    "invariant": (
+        "X-miLLM-Batch-Invariant",
+        "`true` runs the request alone at every decode step of the resident model, so its result never depends on "
+        "what else runs (bit for bit, as a `pack: false` batch row); default `false`: it shares forward passes. "
+        "Values as `X-miLLM-Strict`.",
+    ),
 }
 
-Header = Literal["strict", "lease", "idempotency"]
+Header = Literal["strict", "lease", "idempotency", "invariant"]
 
 
 @dataclass(frozen=True)

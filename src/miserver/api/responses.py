@@ -15,7 +15,7 @@ from ..protocol.responses import InputItemList, ResponseCreateRequest, ResponseD
 from ..services.inference import responses as service
 from ..services.inference.context import Call, StreamResult
 from ..services.inference.registry import SERVICES
-from .common import json_body, lease_header, state, strict_mode, to_response
+from .common import batch_invariant, json_body, lease_header, state, strict_mode, to_response
 from .openapi import INFERENCE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
@@ -35,12 +35,16 @@ def _sse(result: StreamResult) -> StreamingResponse:
 
 @router.post("/v1/responses")
 @documented(
-    body=ResponseCreateRequest, ok=ResponseObject, stream=True, errors=INFERENCE_ERRORS, headers=("strict", "lease")
+    body=ResponseCreateRequest,
+    ok=ResponseObject,
+    stream=True,
+    errors=INFERENCE_ERRORS,
+    headers=("strict", "lease", "invariant"),
 )
 async def create_response(request: Request) -> Response:
     """Create a Response (``stream: true``: as Server-Sent Events)."""
     body = await json_body(request)
-    call = Call(strict=strict_mode(request), lease=lease_header(request))
+    call = Call(strict=strict_mode(request), lease=lease_header(request), invariant=batch_invariant(request))
     result = await SERVICES["/v1/responses"].create(state(request).ctx, body, call)
     return _sse(result) if isinstance(result, StreamResult) else to_response(result)
 

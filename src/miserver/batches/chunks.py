@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from ..clock import now
 from ..errors import APIError, EngineUnavailableError
 from ..scheduling.admission import Priority, Slot
 from ..services.accounts.prices import row_usage
@@ -179,16 +180,14 @@ async def run_chunk(
     owner: str | None = None,
     prices: dict[str, list[int]] | None = None,
     deadline: float | None = None,
-    yield_to_interactive: bool = True,
     read_ahead: bool = False,
 ) -> ChunkReport:
     """Run ``rows`` (claimed under ``token``) while holding ``slot`` (None: each row or pack takes the admission gate
     itself), recording each as it finishes. ``endpoint`` (the batch's) picks the error body's dialect.
 
     ``time_limit`` is the chunk's time bound in seconds; ``stopping()`` answers true once the runner stops;
-    ``deadline`` (Unix seconds, the batch's ``expires_at``) is when upstream rows stop being retried;
-    ``yield_to_interactive`` false: the chunk does not end for interactive requests waiting at the resident gate
-    (upstream rows pass their pool's gate one by one, where interactive requests go first); ``read_ahead``: the
+    ``deadline`` (Unix seconds, the batch's ``expires_at``) is when rows stop: upstream rows are no longer retried and
+    rows in flight on the resident engine leave at its next step; ``read_ahead``: the
     service's rows run concurrently (upstream pools), so outcomes that finish close together are recorded in one
     transaction (:func:`grouped`). Returns a :class:`ChunkReport`; raises only for store faults
     (the rows then stay pending under the claim, which the caller releases).
@@ -201,15 +200,16 @@ async def run_chunk(
     report = ChunkReport()
     started = time.monotonic()
 
-    def interrupted() -> bool:  # the rules that also end work in flight (batched generation drops its rows)
+    def interrupted() -> bool:  # the rules that also end work in flight (the engine drops its rows at the next step)
         if stopping() or report.cancelled or report.paused or report.claim_lost or report.out_of_balance:
             return True
-        if report.recorded == 0:
-            return False  # a chunk always makes progress: its first row or pack runs
-        return yield_to_interactive and ctx.gate.queue_length(Priority.INTERACTIVE) > 0
+        return deadline is not None and now() >= deadline
+
+    def time_up() -> bool:
+        return time.monotonic() - started > time_limit
 
     def should_stop() -> bool:  # and the time bound: no new row or pack starts (rows in flight finish)
-        return interrupted() or (report.recorded > 0 and time.monotonic() - started > time_limit)
+        return interrupted() or (report.recorded > 0 and time_up())
 
     call = Call(
         strict=True,
@@ -219,6 +219,9 @@ async def run_chunk(
         should_stop=should_stop,
         deadline=deadline,
         interrupt=interrupted,
+        time_up=time_up,
+        fairness_key=batch_id,
+        invariant=plan is None,  # rows that do not pack run alone, exactly as the synchronous route computes them
     )
     bodies = [json.loads(r.body) for r in rows]
     outcomes = service.create_many(ctx, bodies, call, plan)

@@ -93,6 +93,7 @@ class ResidentRuns:
             on_change=self.state.on_change,
             owner=batch.owner_key_id,
             prices=batch.prices,
+            deadline=batch.expires_at,
         )
 
     async def _measured(self, batch: BatchRecord, report: chunks.ChunkReport, seconds: float) -> None:

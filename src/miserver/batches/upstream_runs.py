@@ -164,7 +164,6 @@ class UpstreamRuns:
                     stopping=lambda: state.stopping or now() >= batch.expires_at,
                     on_change=state.on_change,
                     deadline=batch.expires_at,
-                    yield_to_interactive=False,
                     owner=batch.owner_key_id,
                     prices=batch.prices,
                     read_ahead=True,  # rows run concurrently: record what finished meanwhile together

@@ -5,6 +5,7 @@ Defaults follow the OpenAI API: ``temperature`` 1, ``top_p`` 1, ``n`` 1.
 
 from __future__ import annotations
 
+from ..scheduling.admission import Priority
 from .base import GenerationRequest, SamplingParams
 
 
@@ -26,8 +27,12 @@ def generation_request(
     seed: int,
     logprobs: int | None,
     n: int | None,
+    priority: Priority = Priority.INTERACTIVE,
+    fairness_key: str = "",
+    invariant: bool = False,
 ) -> GenerationRequest:
-    """A :class:`GenerationRequest` for ``prompt_ids`` (shape ``[prompt_len]``) with OpenAI defaults applied."""
+    """A :class:`GenerationRequest` for ``prompt_ids`` (shape ``[prompt_len]``) with OpenAI defaults applied; the
+    last three say how a step-scheduling engine admits it (see :class:`GenerationRequest`)."""
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else float(temperature),
@@ -36,4 +41,11 @@ def generation_request(
         seed=seed,
         logprobs=logprobs,
     )
-    return GenerationRequest(prompt_ids=tuple(prompt_ids), params=params, n=n or 1)
+    return GenerationRequest(
+        prompt_ids=tuple(prompt_ids),
+        params=params,
+        n=n or 1,
+        priority=priority,
+        fairness_key=fairness_key,
+        invariant=invariant,
+    )

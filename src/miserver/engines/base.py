@@ -17,6 +17,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from miserver.scheduling.admission import Priority
+
 FinishReason = Literal["stop", "length"]
 Pooling = Literal["mean", "last"]
 
@@ -43,11 +45,21 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """``n`` independent samples of a continuation of ``prompt_ids`` (shape ``[prompt_len]``)."""
+    """``n`` independent samples of a continuation of ``prompt_ids`` (shape ``[prompt_len]``).
+
+    How an engine that schedules its own steps admits it: ``priority`` (interactive before batch, at every step);
+    ``fairness_key`` (batch sequences take turns by key); ``invariant`` true runs each sequence alone at every step,
+    so that its result never depends on what else runs (a batch row with ``pack: false``, a request sent with
+    ``X-miLLM-Batch-Invariant: true``); false lets it share forward passes with other sequences. Engines that do not
+    schedule steps (upstreams) ignore the three.
+    """
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     n: int = 1
+    priority: Priority = Priority.INTERACTIVE
+    fairness_key: str = ""
+    invariant: bool = False
 
 
 @dataclass(frozen=True)

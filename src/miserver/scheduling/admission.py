@@ -2,7 +2,12 @@
 
 A synchronous request takes a slot for its own duration; a batch runner takes one slot for a whole chunk and runs the
 chunk's rows under it. When a slot frees, the oldest waiting interactive request gets it before any batch chunk;
-within a class, first come first served. A batch therefore delays an interactive request by at most one chunk.
+within a class, first come first served. An *exclusive* holder (a weight write, a model load) takes every slot: it
+waits until the holders before it are done and no one is admitted beside it.
+
+The resident engine's gate is wide (``MISERVER_MAX_SEQUENCES`` + 1): its own step scheduler admits each sequence at
+a decode step, interactive first, so an interactive request never waits for a batch chunk there; the gate then only
+keeps model-life operations apart from forward passes. An upstream pool's gate has one slot per place in flight.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ class Priority(IntEnum):
 
 
 class Slot:
-    """Proof that the holder has a slot of a gate (passed to services so a chunk's rows do not queue again)."""
+    """Proof that the holder has a slot of a gate (passed to services so a chunk's rows do not queue again);
+    ``exclusive``: every slot of it."""
 
-    def __init__(self, gate: AdmissionGate, priority: Priority) -> None:
+    def __init__(self, gate: AdmissionGate, priority: Priority, exclusive: bool = False) -> None:
         self.gate = gate
         self.priority = priority
+        self.exclusive = exclusive
 
 
 class AdmissionGate:
@@ -44,6 +51,7 @@ class AdmissionGate:
         self.slots = slots
         self._free = slots
         self._waiters: dict[Priority, deque[asyncio.Future[None]]] = {p: deque() for p in Priority}
+        self._exclusive: set[asyncio.Future[None]] = set()  # waiters that need every slot
         self.granted: dict[Priority, int] = {p: 0 for p in Priority}
 
     def queue_length(self, priority: Priority) -> int:
@@ -54,54 +62,69 @@ class AdmissionGate:
     def in_use(self) -> int:
         return self.slots - self._free
 
-    async def acquire(self, priority: Priority) -> Slot:
-        """Wait for a slot. Raises ``asyncio.CancelledError`` if the waiter is cancelled (nothing is held then)."""
+    async def acquire(self, priority: Priority, *, exclusive: bool = False) -> Slot:
+        """Wait for a slot (``exclusive``: for every slot). Raises ``asyncio.CancelledError`` if the waiter is
+        cancelled (nothing is held then)."""
+        width = self.slots if exclusive else 1
         ahead = any(self.queue_length(p) for p in Priority if p <= priority)
-        if self._free > 0 and not ahead:
-            self._free -= 1
+        if self._free >= width and not ahead:
+            self._free -= width
             self.granted[priority] += 1
-            return Slot(self, priority)
+            return Slot(self, priority, exclusive)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters[priority].append(fut)
+        if exclusive:
+            self._exclusive.add(fut)
         try:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                # The slot was handed to us just as we were cancelled: pass it on.
-                self._release()
+                # The slots were handed to us just as we were cancelled: pass them on.
+                self._free += width
+                self._dispatch()
             raise
         finally:
             with suppress(ValueError):
                 self._waiters[priority].remove(fut)
+            self._exclusive.discard(fut)
         self.granted[priority] += 1
-        return Slot(self, priority)
+        return Slot(self, priority, exclusive)
 
-    def _release(self) -> None:
+    def _dispatch(self) -> None:
+        """Hand free slots to the waiters, interactive first, oldest first; the first waiter that does not fit (an
+        exclusive one while slots are held) stops the hand-out, so nobody overtakes it."""
         for priority in Priority:
             for fut in self._waiters[priority]:
-                if not fut.done():
-                    fut.set_result(None)
+                if fut.done():
+                    continue
+                width = self.slots if fut in self._exclusive else 1
+                if self._free < width:
                     return
-        self._free += 1
+                self._free -= width
+                fut.set_result(None)
 
     def release(self, slot: Slot) -> None:
-        """Give the slot back; it goes to the first interactive waiter, else the first batch waiter."""
+        """Give the slot (every slot, for an exclusive one) back; it goes to the first interactive waiter, else the
+        first batch waiter."""
         if slot.gate is not self:
             raise ValueError("slot belongs to another gate")
-        self._release()
+        self._free += self.slots if slot.exclusive else 1
+        self._dispatch()
 
     @asynccontextmanager
-    async def hold(self, priority: Priority, slot: Slot | None = None, *, check: bool = True) -> AsyncIterator[Slot]:
-        """Hold a slot for the block; if ``slot`` (already held by the caller) is given, reuse it. An interactive
-        request passes ``admission_check`` before and after waiting, unless ``check`` is false (a model load, which
-        is what makes the weights whole again)."""
+    async def hold(
+        self, priority: Priority, slot: Slot | None = None, *, check: bool = True, exclusive: bool = False
+    ) -> AsyncIterator[Slot]:
+        """Hold a slot (``exclusive``: every slot) for the block; if ``slot`` (already held by the caller) is given,
+        reuse it. An interactive request passes ``admission_check`` before and after waiting, unless ``check`` is
+        false (a model load, which is what makes the weights whole again)."""
         if slot is not None:
             yield slot
             return
         guard = self.admission_check if check and priority == Priority.INTERACTIVE else None
         if guard is not None:
             guard()
-        held = await self.acquire(priority)
+        held = await self.acquire(priority, exclusive=exclusive)
         try:
             if guard is not None:
                 guard()

@@ -20,8 +20,8 @@ class PoolGate(AdmissionGate):
     def add_slots(self, count: int) -> None:
         """``count`` more slots, handed at once to waiters (interactive first)."""
         self.slots += count
-        for _ in range(count):
-            self._release()
+        self._free += count
+        self._dispatch()
 
 
 @dataclass

@@ -139,8 +139,12 @@ def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
         seed=seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         n=req.n,
+        priority=call.priority,
+        fairness_key=call.fairness_key,
+        invariant=call.invariant,
     )
-    return _Prepared(req, engine, gen, provenance_headers(engine, seed_header, call.lease), random_id("chatcmpl-"))
+    headers = provenance_headers(engine, seed_header, call.lease, invariant=call.invariant)
+    return _Prepared(req, engine, gen, headers, random_id("chatcmpl-"))
 
 
 def _build(p: _Prepared, result: GenerationResult) -> ServiceResult:

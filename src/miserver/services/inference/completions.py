@@ -124,10 +124,13 @@ def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
             seed=seed,
             logprobs=req.logprobs,
             n=req.n,
+            priority=call.priority,
+            fairness_key=call.fairness_key,
+            invariant=call.invariant,
         )
         for ids in prompts
     ]
-    headers = provenance_headers(engine, seed_header, call.lease)
+    headers = provenance_headers(engine, seed_header, call.lease, invariant=call.invariant)
     return _Prepared(req, engine, gens, prompt_k, headers, random_id("cmpl-"))
 
 

@@ -91,6 +91,13 @@ class Call:
     deadline: float | None = None
 
     interrupt: Callable[[], bool] | None = None
+    #: the time bound alone (no new row starts once true); a group of batched generation applies it only once one of
+    #: its rows started, so a chunk always makes progress
+    time_up: Callable[[], bool] | None = None
+    #: the resident engine's step scheduler takes turns between batch requests by this key (the batch)
+    fairness_key: str = ""
+    #: run each sequence alone at every decode step (``X-miLLM-Batch-Invariant``; ``pack: false`` batch rows)
+    invariant: bool = False
 
     def stopped(self) -> bool:
         return self.should_stop is not None and self.should_stop()
@@ -239,8 +246,11 @@ class ServiceContext:
         return seed, f'{seed};scope="server"'
 
 
-def provenance_headers(engine: Engine, seed_header: str, lease: str | None = None) -> dict[str, str]:
-    """The ``X-miLLM-*`` headers of DESIGN §3.4 for a response produced by ``engine``."""
+def provenance_headers(
+    engine: Engine, seed_header: str, lease: str | None = None, *, invariant: bool | None = None
+) -> dict[str, str]:
+    """The ``X-miLLM-*`` headers of DESIGN §3.4 for a response produced by ``engine``; ``invariant`` (generation
+    only) says whether it ran batch-invariant (``X-miLLM-Batch-Invariant``)."""
     info = engine.info
     headers = {
         "X-miLLM-Model": info.model_id,
@@ -251,4 +261,6 @@ def provenance_headers(engine: Engine, seed_header: str, lease: str | None = Non
     }
     if lease:
         headers["X-miLLM-Lease"] = lease
+    if invariant is not None:
+        headers["X-miLLM-Batch-Invariant"] = "true" if invariant else "false"
     return headers

@@ -256,7 +256,8 @@ async def run_generations(
     done = [False] * len(rows)
     failed = False
     async with ctx.gate.hold(call.priority, call.slot):
-        stream = engine.generate_many(requests, slots=slots, should_stop=call.interrupted, should_drain=call.stopped)
+        drain = call.time_up or call.stopped
+        stream = engine.generate_many(requests, slots=slots, should_stop=call.interrupted, should_drain=drain)
         try:
             async for item in stream:
                 r, k = flat[item.index]

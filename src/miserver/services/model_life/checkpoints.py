@@ -126,7 +126,7 @@ class Checkpoints:
                 code="model_exists",
             )
         folder = self.root / folder_name(new_id)
-        async with self.ctx.gate.hold(Priority.INTERACTIVE):  # the running row finishes first; torn is refused
+        async with self.ctx.gate.hold(Priority.INTERACTIVE, exclusive=True):  # what runs finishes first; torn refused
             if self.ctx.engine is not engine:
                 raise ConflictError("The resident model changed meanwhile; save again.", code="conflict")
             old_id = engine.info.model_id

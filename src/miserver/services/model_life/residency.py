@@ -80,7 +80,7 @@ class Residency:
         self.weights.end_for_swap()
         started = time.monotonic()
         self.on_loading({"model": target, "stage": "loading"})
-        async with self.ctx.gate.hold(Priority.INTERACTIVE, check=False):
+        async with self.ctx.gate.hold(Priority.INTERACTIVE, check=False, exclusive=True):
             self.ctx.loading = True
             try:
                 if current is not None:
@@ -116,7 +116,7 @@ class Residency:
         if self.ctx.engine is None:
             raise NotFoundError("No model is resident.", param="model", code="model_not_resident")
         self.weights.end_for_swap()
-        async with self.ctx.gate.hold(Priority.INTERACTIVE, check=False):
+        async with self.ctx.gate.hold(Priority.INTERACTIVE, check=False, exclusive=True):
             engine, self.ctx.engine = self.ctx.engine, None
             if engine is not None:
                 await self.weights.mark_whole(engine.info.model_id)

@@ -118,7 +118,7 @@ class WeightWrites:
         engine = local_engine(self.ctx)
         if self.open is not None:
             raise self._already_open()
-        slot = await self.ctx.gate.acquire(Priority.INTERACTIVE)
+        slot = await self.ctx.gate.acquire(Priority.INTERACTIVE, exclusive=True)
         try:
             if self.open is not None:  # another begin got the slot first
                 raise self._already_open()

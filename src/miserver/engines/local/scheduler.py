@@ -1,0 +1,289 @@
+"""The resident engine's step scheduler: every generation request in one continuous batch, admitted at each step.
+
+vLLM's idea (admit, step, retire) in one loop. A request (a synchronous chat or completion, streamed or not, or a
+batch row) becomes a :class:`Ticket` that waits in its priority class. The loop, a task on the event loop, repeats
+while anything waits or runs:
+
+1. **leave**: tickets whose consumer went away (an HTTP client that hung up cancels its task), or whose group says
+   stop (a batch cancelled, paused or expired, a claim lost), leave at this step and free their slots;
+2. **admit**: interactive tickets first, oldest first, while the slots in flight stay within ``max_sequences``;
+   then batch tickets, round robin over their fairness keys, while the batch class holds at most ``batch_slots``
+   sequences. An interactive ticket therefore starts at the next step even when every batch slot is busy, and no
+   batch sequence is ever stopped to make room for it;
+3. **step**: one :meth:`~miserver.engines.local.steps.StepBatch.step` on the engine thread (prefill of the admitted,
+   one decode token for the rest); other engine work (scoring and pooling packs, weight edits) queues on the same
+   thread between two steps;
+4. **retire**: deltas go to their tickets (streams see them at once); a finished ticket gets its result.
+
+The scheduler sees a priority class, a fairness key and the batch-invariant switch on each request, never a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from miserver.engines.base import GenerationRequest, GenerationResult, StreamDelta
+from miserver.engines.local.steps import Start, Update
+from miserver.scheduling.admission import Priority
+
+log = logging.getLogger("miserver.engine")
+
+#: Runs one step on the engine thread: (starts, drops) -> updates; raises what the step raised.
+StepRunner = Callable[[list[Start], list[int]], Awaitable[list[Update]]]
+
+
+@dataclass
+class Group:
+    """Tickets submitted together (a batch chunk's packed rows): ``should_stop()`` true drops them all at the next
+    step, ``should_drain()`` true withdraws those still waiting (those in flight finish) once one of them has started
+    (a group always makes progress); ``slots`` caps the group's sequences in flight."""
+
+    should_stop: Callable[[], bool] | None = None
+    should_drain: Callable[[], bool] | None = None
+    slots: int | None = None
+    in_flight: int = 0
+    started: int = 0
+
+    def stopped(self) -> bool:
+        return self.should_stop is not None and self.should_stop()
+
+    def draining(self) -> bool:
+        return self.started > 0 and self.should_drain is not None and self.should_drain()
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request in the scheduler: waiting, in flight, then done (``result`` set, or ``error``).
+
+    ``deltas`` receives every delta as its step ends (for streams); ``withdrawn`` turns true when it left without a
+    result (cancelled, drained, dropped)."""
+
+    number: int
+    request: GenerationRequest
+    group: Group | None = None
+    deltas: asyncio.Queue[StreamDelta | None] = field(default_factory=asyncio.Queue)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: GenerationResult | ValueError | None = None
+    error: BaseException | None = None
+    packed: bool = False
+    started: bool = False
+    cancelled: bool = False
+    withdrawn: bool = False
+    #: the step count at which it was admitted (tests read it: who started at which step)
+    admitted_at: int | None = None
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
+
+    def cancel(self) -> None:
+        """The consumer went away: leave at the next step (nothing more is delivered)."""
+        if not self.done.is_set():
+            self.cancelled = True
+
+    async def outcome(self) -> GenerationResult | ValueError:
+        """Wait for the result; raises the step's error, or ``asyncio.CancelledError`` when withdrawn."""
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        if self.result is None:
+            raise asyncio.CancelledError("the request left the engine before it finished")
+        return self.result
+
+
+class StepScheduler:
+    """Admission and the step loop (see the module). ``run_step`` runs one step on the engine thread;
+    ``on_start(request)`` is called as each request is admitted (the engine counts executions there);
+    ``on_generated(tokens)`` after each step."""
+
+    def __init__(
+        self,
+        run_step: StepRunner,
+        *,
+        max_sequences: int,
+        batch_slots: int,
+        on_start: Callable[[GenerationRequest], None] | None = None,
+        on_generated: Callable[[int], None] | None = None,
+    ) -> None:
+        if max_sequences < 1 or batch_slots < 1:
+            raise ValueError("the step scheduler needs at least one slot")
+        self.run_step = run_step
+        self.max_sequences = max_sequences
+        self.batch_slots = min(batch_slots, max_sequences)
+        self.on_start = on_start
+        self.on_generated = on_generated
+        self.steps = 0
+        self._numbers = itertools.count()
+        self._interactive: deque[Ticket] = deque()
+        self._batch: dict[str, deque[Ticket]] = {}
+        self._active: dict[int, Ticket] = {}
+        #: tickets a failed or cancelled step left on the engine thread: dropped at the next step
+        self._orphans: list[int] = []
+        self._loop: asyncio.Task[None] | None = None
+
+    # --- the consumer's side ---------------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, group: Group | None = None) -> Ticket:
+        """Queue ``request`` in its class (``request.priority``; batch tickets by ``request.fairness_key``)."""
+        ticket = Ticket(next(self._numbers), request, group)
+        if request.priority == Priority.INTERACTIVE:
+            self._interactive.append(ticket)
+        else:
+            self._batch.setdefault(request.fairness_key, deque()).append(ticket)
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop.done() or self._loop.get_loop() is not loop:
+            self._loop = loop.create_task(self._run(), name="miserver-step-loop")
+        return ticket
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences in flight now."""
+        return sum(t.request.n for t in self._active.values())
+
+    def waiting(self, priority: Priority) -> int:
+        """Tickets of ``priority`` waiting to start."""
+        if priority == Priority.INTERACTIVE:
+            return sum(1 for t in self._interactive if not t.cancelled)
+        return sum(1 for q in self._batch.values() for t in q if not t.cancelled)
+
+    async def idle(self) -> None:
+        """Wait until the loop has nothing left (tests; close)."""
+        if self._loop is not None:
+            await asyncio.shield(self._loop)
+
+    # --- the loop --------------------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while self._active or self._interactive or any(self._batch.values()):
+            drops = self._leaving() + self._orphans
+            self._orphans = []
+            starts = self._admit()
+            if not starts and not self._active:
+                if drops:
+                    await self.run_step([], drops)
+                continue
+            try:
+                updates = await self.run_step([Start(t.number, t.request, t.request.invariant) for t in starts], drops)
+            except BaseException as exc:
+                self._fail(exc, [t.number for t in starts])
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            self.steps += 1
+            self._deliver(updates)
+
+    def _leaving(self) -> list[int]:
+        """Withdraw waiting tickets that were cancelled or whose group stops or drains; the in-flight tickets that
+        leave at this step (cancelled, or their group stops)."""
+        for queue in [self._interactive, *self._batch.values()]:
+            for t in list(queue):
+                if t.cancelled or (t.group is not None and (t.group.stopped() or t.group.draining())):
+                    queue.remove(t)
+                    self._withdraw(t)
+        self._batch = {k: q for k, q in self._batch.items() if q}
+        drops = [n for n, t in self._active.items() if t.cancelled or (t.group is not None and t.group.stopped())]
+        for n in drops:
+            self._withdraw(self._active.pop(n))
+        return drops
+
+    def _admit(self) -> list[Ticket]:
+        """Interactive first within ``max_sequences``; then batch round robin over fairness keys within
+        ``batch_slots`` (a request wider than the free room starts only when its class has nothing in flight)."""
+        used = self.in_flight
+        batch_used = sum(t.request.n for t in self._active.values() if t.priority != Priority.INTERACTIVE)
+        starts: list[Ticket] = []
+        for t in list(self._interactive):  # oldest first; one held back by its group's cap lets the next go
+            n = t.request.n
+            if used + n > self.max_sequences and (used > 0 or starts):
+                break
+            if not self._group_room(t):
+                continue
+            self._interactive.remove(t)
+            self._take(t, starts)
+            used += n
+        progressed = True
+        while progressed and self._batch:  # one ticket per key per pass: round robin over the fairness keys
+            progressed = False
+            for key in list(self._batch):
+                queue = self._batch[key]
+                t = queue[0]
+                n = t.request.n
+                room = min(self.batch_slots - batch_used, self.max_sequences - used)
+                alone = batch_used == 0 and used == 0  # a request wider than the room starts when nothing runs
+                if (n > room and not alone) or not self._group_room(t):
+                    continue
+                queue.popleft()
+                del self._batch[key]
+                if queue:
+                    self._batch[key] = queue  # to the back of the rotation
+                self._take(t, starts)
+                used += n
+                batch_used += n
+                progressed = True
+        return starts
+
+    def _take(self, t: Ticket, starts: list[Ticket]) -> None:
+        """``t`` starts at this step."""
+        if t.group is not None:
+            t.group.in_flight += t.request.n
+            t.group.started += 1
+        t.started = True
+        t.admitted_at = self.steps
+        self._active[t.number] = t
+        starts.append(t)
+        if self.on_start is not None:
+            self.on_start(t.request)
+
+    @staticmethod
+    def _group_room(t: Ticket) -> bool:
+        """Whether ``t``'s group may have its sequences in flight too (a group wider than its cap starts alone)."""
+        g = t.group
+        return g is None or g.slots is None or g.in_flight == 0 or g.in_flight + t.request.n <= g.slots
+
+    def _deliver(self, updates: list[Update]) -> None:
+        generated = 0
+        for u in updates:
+            t = self._active.get(u.ticket)
+            if t is None:
+                continue
+            generated += u.generated
+            t.packed = t.packed or u.packed
+            for delta in u.deltas:
+                t.deltas.put_nowait(delta)
+            if u.result is not None:
+                del self._active[u.ticket]
+                self._release_group(t)
+                t.result = u.result
+                t.deltas.put_nowait(None)
+                t.done.set()
+        if self.on_generated is not None and generated:
+            self.on_generated(generated)
+
+    def _withdraw(self, t: Ticket) -> None:
+        if t.started:
+            self._release_group(t)
+        t.withdrawn = True
+        t.deltas.put_nowait(None)
+        t.done.set()
+
+    def _release_group(self, t: Ticket) -> None:
+        if t.group is not None and t.started:
+            t.group.in_flight -= t.request.n
+
+    def _fail(self, exc: BaseException, starts: list[int]) -> None:
+        """A step raised (or the loop was cancelled while it ran): every ticket in flight fails with ``exc``, and the
+        engine thread drops them at the next step (a cancelled wait leaves the step running there)."""
+        if isinstance(exc, Exception):
+            log.error("a step failed; %d requests in flight fail with it: %r", len(self._active), exc)
+        self._orphans += [*self._active, *starts]
+        for t in self._active.values():
+            self._release_group(t)
+            t.error = exc
+            t.deltas.put_nowait(None)
+            t.done.set()
+        self._active.clear()

@@ -1,0 +1,258 @@
+"""One step of the resident engine's step loop, on the engine thread: prefill the admitted, decode, sample, retire.
+
+:class:`StepBatch` holds every sequence in flight, each in a slot of a KV cache (:class:`Slots`: transformers' own
+cache in ``hf_cache.HFSlots``, or the static slot cache of the fast forward in ``slots.SlotModel``). The scheduler
+(``scheduler.StepScheduler``, on the event loop) decides between steps which requests start and which leave; one
+:meth:`StepBatch.step` then
+
+1. releases the slots of the requests that leave (their client went away, their batch was cancelled);
+2. starts each admitted request: its prompt is prefilled *alone* into one slot (exactly the one-request prefill, no
+   padding), copied into one more slot per further sample (``n``), and each sequence samples its first token;
+3. runs one decode step: every sequence of a request that may share (the default) in one forward pass, and each
+   sequence of a batch-invariant request alone in its own (the single decode step: its result never depends on what
+   else runs);
+4. samples each sequence's next token with its own parameters and generator (:func:`advance`, the rules of
+   ``generate.generate_sequence``) and retires the finished ones, freeing their slots.
+
+It returns, per request touched, the deltas produced in the step and, once all its sequences are done, its result.
+Everything here is synchronous and must run under ``torch.inference_mode`` on the engine's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from miserver.engines.base import GenerationRequest, GenerationResult, SamplingParams, StreamDelta
+from miserver.engines.local.detokenize import _Output
+from miserver.engines.local.generate import collect_result, logprobs_of, sample
+
+
+class Slots(Protocol):
+    """A KV cache of sequences addressed by slot number (see ``hf_cache.HFSlots``, ``slots.SlotModel``)."""
+
+    def prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
+    def fork(self, src: int, dst: int) -> None: ...
+    def release(self, slot: int) -> None: ...
+
+
+@dataclass
+class Seq:
+    """One sequence in flight: its request's ticket, its sample index, its slot, its sampling state and output.
+
+    ``token`` is the last sampled token, fed at the next decode step; ``sampled`` counts tokens sampled; ``shared``
+    turns true once a forward pass ran it beside another sequence; ``deltas`` are those of the current step, ``history``
+    those before.
+    """
+
+    ticket: int
+    index: int
+    slot: int
+    params: SamplingParams
+    generator: torch.Generator
+    out: _Output
+    limit: int
+    alone: bool
+    token: int = -1
+    sampled: int = 0
+    shared: bool = False
+    done: bool = False
+    deltas: list[StreamDelta] = field(default_factory=list)
+    #: every delta of the sequence so far (its result is built from them)
+    history: list[StreamDelta] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Start:
+    """A request admitted at this step: its ticket number, the request, and whether it runs batch-invariant."""
+
+    ticket: int
+    request: GenerationRequest
+    invariant: bool = False
+
+
+@dataclass
+class Update:
+    """What a step did for one request: ``deltas`` produced in it (in order); ``result`` once the request is done
+    (its :class:`GenerationResult`, or the ``ValueError`` refusing it); ``packed`` whether any of its sequences shared
+    a forward pass; ``generated`` tokens generated in the step."""
+
+    ticket: int
+    deltas: list[StreamDelta] = field(default_factory=list)
+    result: GenerationResult | ValueError | None = None
+    packed: bool = False
+    generated: int = 0
+
+
+def advance(seq: Seq, logits: torch.Tensor, eos_ids: Collection[int]) -> bool:
+    """Sample ``seq``'s next token from ``logits`` (float32 ``[vocab]``) and record it; True while the sequence goes
+    on (its token must be fed), False once it finished: an end-of-sequence token or a stop string (``"stop"``), or
+    its ``limit`` of tokens (``"length"``). The rules of ``generate.generate_sequence``, step for step."""
+    out = seq.out
+    token = sample(logits, seq.params, seq.generator)
+    if token in eos_ids:
+        out.end_token()
+        seq.deltas.append(out.finish("stop"))
+        return False
+    logprob = None if seq.params.logprobs is None else logprobs_of(logits, token, seq.params.logprobs, out.texts)
+    out.add(token, logprob)
+    if out.stop_at is not None:
+        seq.deltas.append(out.finish("stop"))
+        return False
+    delta = out.pending()
+    if delta is not None:
+        seq.deltas.append(delta)
+    seq.sampled += 1
+    if seq.sampled >= seq.limit:
+        seq.deltas.append(out.finish("length"))
+        return False
+    seq.token = token
+    return True
+
+
+class StepBatch:
+    """The sequences in flight over ``cache`` (see the module), in at most ``capacity`` slots (None: as many as the
+    scheduler admits). ``max_positions`` is the context length (``limit = min(max_tokens, max_positions -
+    prompt_len)``, as alone)."""
+
+    def __init__(
+        self,
+        cache: Slots,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        *,
+        capacity: int | None = None,
+        eos_ids: Collection[int] = (),
+        max_positions: int | None = None,
+    ) -> None:
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.device = device
+        self.capacity = capacity
+        self.eos_ids = frozenset(eos_ids)
+        self.max_positions = max_positions
+        self.seqs: list[Seq] = []  # in flight, in start order
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._requests: dict[int, GenerationRequest] = {}
+        self._all: dict[int, list[Seq]] = {}  # ticket -> its sequences, done or not
+
+    def tickets(self) -> list[int]:
+        """The requests in flight (started, not finished)."""
+        return list(self._all)
+
+    def step(self, starts: Sequence[Start], drops: Sequence[int]) -> list[Update]:
+        """Drop the requests ``drops``, start ``starts``, run one decode step; an :class:`Update` per request touched.
+
+        Raises ``ValueError`` when the starts need more slots than ``capacity`` (the scheduler's contract)."""
+        for ticket in drops:
+            self._drop(ticket)
+        in_use = sum(1 for s in self.seqs if not s.done)
+        if self.capacity is not None and in_use + sum(s.request.n for s in starts) > self.capacity:
+            raise ValueError("the admitted requests need more slots than the cache has")
+        updates: dict[int, Update] = {}
+        for start in starts:
+            self._start(start, updates)
+        going = [s for s in self.seqs if not s.done]
+        if going:
+            self._decode(going)
+        for seq in self.seqs:
+            if seq.deltas:
+                u = updates.setdefault(seq.ticket, Update(seq.ticket))
+                u.deltas += seq.deltas
+                u.generated += sum(d.generated_tokens for d in seq.deltas)
+                seq.history += seq.deltas
+                seq.deltas = []
+        self.seqs = [s for s in self.seqs if not s.done]
+        for ticket in [t for t in self._all if all(s.done for s in self._all[t])]:
+            seqs = self._all.pop(ticket)
+            request = self._requests.pop(ticket)
+            u = updates.setdefault(ticket, Update(ticket))
+            u.result = collect_result([d for s in seqs for d in s.history], request)
+            u.packed = any(s.shared for s in seqs)
+        return list(updates.values())
+
+    def reset(self) -> list[int]:
+        """Drop everything in flight (after a failed step); the tickets dropped."""
+        dropped = list(self._all)
+        for ticket in dropped:
+            self._drop(ticket)
+        return dropped
+
+    # --- pieces ----------------------------------------------------------------------------------------------------
+
+    def _start(self, start: Start, updates: dict[int, Update]) -> None:
+        request = start.request
+        params = request.params
+        if params.max_tokens <= 0:
+            deltas = [StreamDelta(i, "", finish_reason="length") for i in range(request.n)]
+            updates[start.ticket] = Update(start.ticket, deltas, collect_result(deltas, request))
+            return
+        if not request.prompt_ids:
+            updates[start.ticket] = Update(start.ticket, result=ValueError("the prompt has no tokens"))
+            return
+        limit = params.max_tokens
+        if self.max_positions is not None:
+            limit = max(0, min(limit, self.max_positions - len(request.prompt_ids)))
+        slots = [self._take_slot() for _ in range(request.n)]
+        ids = torch.tensor(list(request.prompt_ids), dtype=torch.long, device=self.device)
+        try:
+            logits = self.cache.prefill(slots[0], ids)
+        except ValueError as exc:
+            self._free += slots
+            updates[start.ticket] = Update(start.ticket, result=exc)
+            return
+        for slot in slots[1:]:
+            self.cache.fork(slots[0], slot)
+        seqs = []
+        for i, slot in enumerate(slots):
+            generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            out = _Output(self.tokenizer, params.stop, i)
+            seqs.append(Seq(start.ticket, i, slot, params, generator, out, limit, start.invariant))
+        self._requests[start.ticket] = request
+        self._all[start.ticket] = seqs
+        for seq in seqs:
+            self.seqs.append(seq)
+            if limit == 0:
+                seq.deltas.append(seq.out.finish("length"))
+                self._retire(seq)
+            elif not advance(seq, logits, self.eos_ids):
+                self._retire(seq)
+
+    def _decode(self, going: list[Seq]) -> None:
+        """One decode step: the sequences that may share in one forward pass, each invariant one alone."""
+        shared = [s for s in going if not s.alone]
+        groups = [[s] for s in going if s.alone]
+        if shared:
+            groups.insert(0, shared)
+        for group in groups:
+            logits = self.cache.decode([s.slot for s in group], [s.token for s in group])
+            if len(group) > 1:
+                for seq in group:
+                    seq.shared = True
+            for b, seq in enumerate(group):
+                if not advance(seq, logits[b], self.eos_ids):
+                    self._retire(seq)
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    def _retire(self, seq: Seq) -> None:
+        seq.done = True
+        self.cache.release(seq.slot)
+        self._free.append(seq.slot)
+
+    def _drop(self, ticket: int) -> None:
+        for seq in self._all.pop(ticket, []):
+            if not seq.done:
+                self._retire(seq)
+        self._requests.pop(ticket, None)
+        self.seqs = [s for s in self.seqs if not s.done]

@@ -1,0 +1,86 @@
+"""The resident engine's step scheduler (``engines/local/scheduler.py``) over a fake step: who is admitted at which
+step, interactive first above the batch slots, batch turns by fairness key, and leaving at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+
+from miserver.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from miserver.engines.local.scheduler import Group, StepScheduler
+from miserver.engines.local.steps import Start, Update
+from miserver.scheduling.admission import Priority
+
+
+class FakeSteps:
+    """Each request runs ``max_tokens`` steps (its first one included); records the starts and drops of each step."""
+
+    def __init__(self) -> None:
+        self.left: dict[int, int] = {}
+        self.log: list[tuple[list[int], list[int]]] = []
+
+    async def __call__(self, starts: list[Start], drops: list[int]) -> list[Update]:
+        await asyncio.sleep(0)  # a step hands the event loop over, as the engine thread's job does
+        self.log.append(([s.ticket for s in starts], list(drops)))
+        for d in drops:
+            self.left.pop(d, None)
+        for s in starts:
+            self.left[s.ticket] = s.request.params.max_tokens
+        updates = []
+        for ticket in list(self.left):
+            self.left[ticket] -= 1
+            if self.left[ticket] == 0:
+                del self.left[ticket]
+                updates.append(Update(ticket, result=GenerationResult([], 1), generated=1))
+        return updates
+
+
+def request(tokens: int, priority: Priority = Priority.BATCH, key: str = "a") -> GenerationRequest:
+    return GenerationRequest((1,), SamplingParams(max_tokens=tokens), priority=priority, fairness_key=key)
+
+
+async def test_an_interactive_request_starts_at_the_next_step_while_every_batch_slot_is_busy() -> None:
+    steps = FakeSteps()
+    s = StepScheduler(steps, max_sequences=4, batch_slots=2)
+    batch = [s.submit(request(10)) for _ in range(3)]
+    await asyncio.sleep(0)  # the loop task runs its first step
+    while s.steps < 2:
+        await asyncio.sleep(0)
+    chat = s.submit(request(2, Priority.INTERACTIVE))
+    await chat.outcome()
+    assert batch[0].admitted_at == batch[1].admitted_at == 0 and batch[2].admitted_at is None
+    assert chat.admitted_at is not None and chat.admitted_at <= s.steps
+    assert chat.admitted_at - 2 <= 1, "at the next step after it arrived"
+    assert not any(b.withdrawn for b in batch), "no batch sequence left to make room"
+    for b in batch:
+        await b.outcome()
+    assert batch[2].admitted_at == 10, "the third batch row waits for a batch slot, not for the chat"
+
+
+async def test_batch_sequences_take_turns_by_fairness_key() -> None:
+    steps = FakeSteps()
+    s = StepScheduler(steps, max_sequences=8, batch_slots=1)
+    big = [s.submit(request(1, key="big")) for _ in range(4)]
+    small = [s.submit(request(1, key="small")) for _ in range(2)]
+    for t in big + small:
+        await t.outcome()
+    order = sorted(big + small, key=lambda t: t.admitted_at or 0)
+    assert [("big" if t in big else "small") for t in order] == ["big", "small", "big", "small", "big", "big"]
+
+
+async def test_a_cancelled_or_stopped_request_leaves_at_the_next_step() -> None:
+    steps = FakeSteps()
+    s = StepScheduler(steps, max_sequences=8, batch_slots=8)
+    stop = False
+    group = Group(should_stop=lambda: stop)
+    a = s.submit(request(50, key="x"), group)
+    b = s.submit(request(50, Priority.INTERACTIVE))
+    while s.steps < 3:
+        await asyncio.sleep(0)
+    b.cancel()
+    stop = True
+    await asyncio.gather(a.done.wait(), b.done.wait())
+    await s.idle()
+    assert a.withdrawn and b.withdrawn and a.result is None and b.result is None
+    dropped = [d for _, drops in steps.log for d in drops]
+    assert sorted(dropped) == sorted([a.number, b.number])
+    assert s.in_flight == 0 and steps.left == {}
