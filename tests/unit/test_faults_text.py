@@ -405,8 +405,11 @@ def test_response_format_of_no_known_type_is_an_invalid_value(ctx: ServiceContex
 
 
 @pytest.mark.parametrize("kind", ["json_object", "json_schema"])
-def test_response_format_known_but_unsupported_stays_unsupported(ctx: ServiceContext, kind: str) -> None:
-    err = sync_error(ctx, CHAT, {**BASE[CHAT], "response_format": {"type": kind}})
+def test_response_format_on_an_engine_without_constrained_decoding_is_unsupported(
+    ctx: ServiceContext, kind: str
+) -> None:
+    spec = {"json_schema": {"name": "x", "schema": {"type": "object"}}} if kind == "json_schema" else {}
+    err = sync_error(ctx, CHAT, {**BASE[CHAT], "response_format": {"type": kind, **spec}})
     assert err is not None and (err.code, err.param) == ("unsupported_parameter", "response_format")
 
 

@@ -6,7 +6,7 @@ Defaults follow the OpenAI API: ``temperature`` 1, ``top_p`` 1, ``n`` 1.
 from __future__ import annotations
 
 from ..scheduling.admission import Priority
-from .base import GenerationRequest, SamplingParams
+from .base import GenerationRequest, Grammar, SamplingParams
 
 
 def normalise_stop(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -27,6 +27,10 @@ def generation_request(
     seed: int,
     logprobs: int | None,
     n: int | None,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    grammar: Grammar | None = None,
     priority: Priority = Priority.INTERACTIVE,
     fairness_key: str = "",
     invariant: bool = False,
@@ -40,6 +44,10 @@ def generation_request(
         stop=normalise_stop(stop),
         seed=seed,
         logprobs=logprobs,
+        logit_bias=logit_bias,
+        frequency_penalty=float(frequency_penalty or 0.0),
+        presence_penalty=float(presence_penalty or 0.0),
+        grammar=grammar,
     )
     return GenerationRequest(
         prompt_ids=tuple(prompt_ids),

@@ -24,6 +24,17 @@ Pooling = Literal["mean", "last"]
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """A constraint on a sequence's text, applied as a token mask at every step: ``json_schema`` (the text is one
+    JSON value valid under ``schema``, a JSON Schema as compact JSON text) or ``json_object`` (any JSON object;
+    ``schema`` empty). A constrained sequence ends ``"stop"`` only once its text is complete under the grammar;
+    hitting ``max_tokens`` first ends it ``"length"`` (its text is then unfinished JSON)."""
+
+    kind: Literal["json_schema", "json_object"]
+    schema: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling for one sequence.
 
@@ -32,6 +43,12 @@ class SamplingParams:
     alternatives per position (0-20); the chosen token's logprob is always included when not None.
     ``seed`` seeds a private ``torch.Generator``: the same seed and prompt give the same output.
     ``top_k``, when set and positive, keeps only the ``top_k`` most likely tokens before ``top_p`` applies.
+
+    Logits processors, applied in this order before sampling (the reported logprobs are those of the raw logits):
+    ``logit_bias`` pairs (token id, bias) add the bias to that token's logit (OpenAI: -100 bans a token, 100 all but
+    forces it); ``frequency_penalty`` and ``presence_penalty`` (OpenAI's formula) subtract ``count * frequency +
+    (count > 0) * presence`` from each token's logit, ``count`` being how often the sequence has already sampled it;
+    ``grammar`` masks every token that would leave the grammar (see :class:`Grammar`).
     """
 
     max_tokens: int
@@ -41,6 +58,20 @@ class SamplingParams:
     seed: int = 0
     logprobs: int | None = None
     top_k: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    grammar: Grammar | None = None
+
+    @property
+    def processed(self) -> bool:
+        """True when a logits processor changes the logits before sampling (a bias, a penalty or a grammar)."""
+        return (
+            bool(self.logit_bias)
+            or bool(self.frequency_penalty)
+            or bool(self.presence_penalty)
+            or (self.grammar is not None)
+        )
 
 
 @dataclass(frozen=True)
@@ -233,6 +264,19 @@ class GeneratesMany(Protocol):
         ``should_stop()`` is asked (on the caller's thread) before every decode step: once true the iterator ends
         and the requests in flight are not yielded (their work is dropped). Once ``should_drain()`` is true no
         waiting request starts; the iterator ends when those in flight are done (the rest are never yielded)."""
+        ...
+
+
+@runtime_checkable
+class Constrains(Protocol):
+    """The constrained-decoding capability: the engine honours :attr:`SamplingParams.grammar`."""
+
+    #: the library that applies the grammar (provenance: ``X-miLLM-Grammar``)
+    grammar_backend: str
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Compile ``grammar`` (cached: the same grammar compiles once); raises ``ValueError`` with the reason when
+        it cannot be compiled, ``NotImplementedError`` when the engine's grammar library is missing."""
         ...
 
 

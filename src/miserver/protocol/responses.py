@@ -190,8 +190,8 @@ InputItem = Annotated[
 
 
 class TextConfig(RequestModel):
-    """``text``: ``format`` is checked by the service (only ``{"type": "text"}`` is served); ``verbosity`` is
-    declared so that it is refused by name."""
+    """``text``: ``format`` is checked by the service (``text``, ``json_object``, or ``json_schema`` with its name
+    and schema); ``verbosity`` is declared so that it is refused by name."""
 
     format: dict[str, Any] | None = None
     verbosity: str | None = None
@@ -293,16 +293,11 @@ class IncompleteDetails(ResponseModel):
     reason: Literal["max_output_tokens"]
 
 
-class TextFormat(ResponseModel):
-    """``text.format`` of a Response: plain text."""
-
-    type: Literal["text"] = "text"
-
-
 class ResponseTextConfig(ResponseModel):
-    """``text`` of a Response."""
+    """``text`` of a Response: ``format`` echoes the request's ``text.format`` (``{"type": "text"}``, ``{"type":
+    "json_object"}``, or ``{"type": "json_schema", "name", "schema", "strict"?, "description"?}``)."""
 
-    format: TextFormat = Field(default_factory=TextFormat)
+    format: dict[str, Any] = Field(default_factory=lambda: {"type": "text"})
 
 
 class ReasoningEcho(ResponseModel):

@@ -23,6 +23,7 @@ from miserver.engines.base import (
     Generated,
     GenerationRequest,
     GenerationResult,
+    Grammar,
     PoolRequest,
     ScoreRequest,
     ScoreResult,
@@ -32,6 +33,8 @@ from miserver.engines.base import (
 from miserver.engines.local.embed import pool_pack
 from miserver.engines.local.hf_cache import HFSlots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
+from miserver.engines.local.processors import BACKEND as GRAMMAR_BACKEND
+from miserver.engines.local.processors import CacheStats, Grammars
 from miserver.engines.local.scheduler import Group, StepScheduler, Ticket
 from miserver.engines.local.score import score_pack
 from miserver.engines.local.steps import Start, StepBatch, Update
@@ -96,6 +99,7 @@ class LocalEngine:
             loaded.model.device,
             eos_ids=self.eos_ids,
             max_positions=self.context_length or None,
+            grammars=Grammars(loaded.tokenizer, self._vocab_size, self.eos_ids),
         )
         self.scheduler = StepScheduler(
             self._run_step,
@@ -152,6 +156,25 @@ class LocalEngine:
         self._eos_ids = frozenset(ids)
         if hasattr(self, "_steps"):
             self._steps.eos_ids = self._eos_ids
+            # a grammar ends at the end-of-sequence tokens: recompile with the new ones
+            self._steps.grammars = Grammars(self.loaded.tokenizer, self._vocab_size, self._eos_ids)
+
+    #: the constrained-decoding library (``X-miLLM-Grammar``)
+    grammar_backend = GRAMMAR_BACKEND
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Compile ``grammar`` now (cached for the rows and requests that use it); raises ``ValueError`` with the
+        reason when it cannot be compiled."""
+        grammars = self._steps.grammars
+        assert grammars is not None, "the local engine always has its grammars"
+        grammars.compile(grammar)
+
+    @property
+    def grammar_stats(self) -> CacheStats:
+        """Grammar compilations asked for since the model loaded: cache hits and misses."""
+        grammars = self._steps.grammars
+        assert grammars is not None, "the local engine always has its grammars"
+        return grammars.stats
 
     @property
     def loaded(self) -> LoadedModel:
@@ -271,6 +294,7 @@ class LocalEngine:
                     pad_id=self.pad_id,
                     eos_ids=self.eos_ids,
                     max_positions=self.context_length or None,
+                    grammars=self._steps.grammars,
                 )
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, run)

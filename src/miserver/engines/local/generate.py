@@ -23,6 +23,7 @@ from miserver.engines.base import (
     TokenLogprob,
 )
 from miserver.engines.local.detokenize import TokenTexts, _Output
+from miserver.engines.local.processors import Grammars, process, processors_for
 
 
 def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, Cache]:
@@ -119,6 +120,7 @@ def generate_sequence(
     max_positions: int | None = None,
     prefilled: tuple[torch.Tensor, Cache] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    grammars: Grammars | None = None,
 ) -> Iterator[StreamDelta]:
     """Generate one sequence, yielding :class:`StreamDelta` pieces; the last one carries the finish reason.
 
@@ -127,8 +129,9 @@ def generate_sequence(
     before it (token ids keep the tokens whose text begins before it; the tokens of the stop string are counted in
     ``generated_tokens``); ``params.max_tokens`` tokens, or reaching ``max_positions`` (the context length), end with
     ``"length"``. ``prefilled`` reuses (logits, cache) of the prompt; the cache is extended in place.
-    When ``should_stop()`` turns true the iterator ends at the next token without a final delta.
-    Raises ``ValueError`` for an empty prompt.
+    When ``should_stop()`` turns true the iterator ends at the next token without a final delta. Each token is
+    sampled from the logits as ``params``' processors leave them (``processors.process``; ``grammars`` compiles a
+    grammar). Raises ``ValueError`` for an empty prompt, or a grammar that ``grammars`` cannot compile (or none).
     """
     if params.max_tokens <= 0:
         yield StreamDelta(index, "", finish_reason="length")
@@ -140,17 +143,20 @@ def generate_sequence(
     if max_positions is not None:
         limit = max(0, min(limit, max_positions - len(prompt_ids)))
     generator = torch.Generator(device=device).manual_seed(params.seed if seed is None else seed)
+    proc = processors_for(params, grammars, device)
     logits, past = prefilled or prefill(model, torch.tensor(list(prompt_ids), dtype=torch.long, device=device))
     out = _Output(tokenizer, params.stop, index)
     for step in range(limit):
         if should_stop is not None and should_stop():
             return
-        token = sample(logits, params, generator)
+        token = sample(process(logits, proc), params, generator)
         if token in eos_ids:
             out.end_token()
             yield out.finish("stop")
             return
         logprob = None if params.logprobs is None else logprobs_of(logits, token, params.logprobs, out.texts)
+        if proc is not None:
+            proc.accept(token)
         out.add(token, logprob)
         if out.stop_at is not None:
             yield out.finish("stop")

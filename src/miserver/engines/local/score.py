@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from miserver.engines.base import ScoreRequest, ScoreResult, TokenLogprob
 from miserver.engines.local.detokenize import TokenTexts, text_pieces, token_texts
 from miserver.engines.local.generate import cache_kwarg, collect_result, generate_sequence
+from miserver.engines.local.processors import Grammars
 
 #: Prompt positions whose logits are materialised at once for prompt logprobs (bounds memory: chunk x vocab floats).
 PROMPT_CHUNK = 256
@@ -85,6 +86,7 @@ def score_pack(
     pad_id: int,
     eos_ids: Collection[int] = (),
     max_positions: int | None = None,
+    grammars: Grammars | None = None,
 ) -> list[ScoreResult]:
     """Answer ``requests`` with one forward pass over all of them (one right-padded pack); results in order.
 
@@ -127,6 +129,7 @@ def score_pack(
                 seed=gen.params.seed + s,
                 eos_ids=eos_ids,
                 max_positions=max_positions,
+                grammars=grammars,
                 prefilled=(logits[i], empty_cache) if i in logits else None,
             )
         )

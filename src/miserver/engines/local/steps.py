@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from miserver.engines.base import GenerationRequest, GenerationResult, SamplingParams, StreamDelta
 from miserver.engines.local.detokenize import _Output
 from miserver.engines.local.generate import collect_result, logprobs_of, sample
+from miserver.engines.local.processors import Grammars, Processors, process, processors_for
 
 
 class Slots(Protocol):
@@ -47,7 +48,7 @@ class Seq:
 
     ``token`` is the last sampled token, fed at the next decode step; ``sampled`` counts tokens sampled; ``shared``
     turns true once a forward pass ran it beside another sequence; ``deltas`` are those of the current step, ``history``
-    those before.
+    those before; ``proc`` its logits processors (bias, penalties, grammar), None when it has none.
     """
 
     ticket: int
@@ -58,6 +59,7 @@ class Seq:
     out: _Output
     limit: int
     alone: bool
+    proc: Processors | None = None
     token: int = -1
     sampled: int = 0
     shared: bool = False
@@ -94,12 +96,14 @@ def advance(seq: Seq, logits: torch.Tensor, eos_ids: Collection[int]) -> bool:
     on (its token must be fed), False once it finished: an end-of-sequence token or a stop string (``"stop"``), or
     its ``limit`` of tokens (``"length"``). The rules of ``generate.generate_sequence``, step for step."""
     out = seq.out
-    token = sample(logits, seq.params, seq.generator)
+    token = sample(process(logits, seq.proc), seq.params, seq.generator)
     if token in eos_ids:
         out.end_token()
         seq.deltas.append(out.finish("stop"))
         return False
     logprob = None if seq.params.logprobs is None else logprobs_of(logits, token, seq.params.logprobs, out.texts)
+    if seq.proc is not None:
+        seq.proc.accept(token)
     out.add(token, logprob)
     if out.stop_at is not None:
         seq.deltas.append(out.finish("stop"))
@@ -118,7 +122,8 @@ def advance(seq: Seq, logits: torch.Tensor, eos_ids: Collection[int]) -> bool:
 class StepBatch:
     """The sequences in flight over ``cache`` (see the module), in at most ``capacity`` slots (None: as many as the
     scheduler admits). ``max_positions`` is the context length (``limit = min(max_tokens, max_positions -
-    prompt_len)``, as alone)."""
+    prompt_len)``, as alone). ``grammars`` compiles the grammars of constrained requests (None: a request with a
+    grammar is refused with ``ValueError``)."""
 
     def __init__(
         self,
@@ -129,8 +134,10 @@ class StepBatch:
         capacity: int | None = None,
         eos_ids: Collection[int] = (),
         max_positions: int | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.cache = cache
+        self.grammars = grammars
         self.tokenizer = tokenizer
         self.device = device
         self.capacity = capacity
@@ -199,6 +206,11 @@ class StepBatch:
         limit = params.max_tokens
         if self.max_positions is not None:
             limit = max(0, min(limit, self.max_positions - len(request.prompt_ids)))
+        try:
+            procs = [processors_for(params, self.grammars, self.device) for _ in range(request.n)]
+        except ValueError as exc:
+            updates[start.ticket] = Update(start.ticket, result=exc)
+            return
         slots = [self._take_slot() for _ in range(request.n)]
         ids = torch.tensor(list(request.prompt_ids), dtype=torch.long, device=self.device)
         try:
@@ -213,7 +225,7 @@ class StepBatch:
         for i, slot in enumerate(slots):
             generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             out = _Output(self.tokenizer, params.stop, i)
-            seqs.append(Seq(start.ticket, i, slot, params, generator, out, limit, start.invariant))
+            seqs.append(Seq(start.ticket, i, slot, params, generator, out, limit, start.invariant, procs[i]))
         self._requests[start.ticket] = request
         self._all[start.ticket] = seqs
         for seq in seqs:

@@ -34,14 +34,13 @@ from .checks import (
     refuse_message_names,
     refuse_unsupported,
 )
+from .constraints import check_grammar, grammar_of, logit_bias_pairs
 from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
 
+#: Fields the resident engine cannot honour (refused unless neutral; relayed as they are to an upstream).
+SCHEMA_PARAM = "response_format.json_schema.schema"
 UNSUPPORTED_FIELDS = (
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "response_format",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -63,24 +62,35 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompleti
 
 
 def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine]:
-    """Parse and check a request body without running it (batch validation calls this too).
+    """Parse and check a request body for the resident engine without running it (batch validation calls this too):
+    the fields it cannot honour are refused, ``logit_bias`` keys must be its token ids, and a ``response_format``
+    schema is compiled (cached for the run).
 
-    Raises :class:`~miserver.errors.APIError`: 400 for schema, unknown (strict) and unsupported fields,
-    404 ``model_not_found``.
+    Raises :class:`~miserver.errors.APIError`: 400 for schema, unknown (strict) and unsupported fields, a bad
+    ``logit_bias`` or schema, 404 ``model_not_found``.
     """
     req = parse(body, strict=strict)
     engine = ctx.resolve_model(req.model)
+    refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
+    refuse_message_names(req.messages)
+    logit_bias_pairs(req.logit_bias, engine)
+    check_grammar(
+        engine,
+        grammar_of(req.response_format, param="response_format"),
+        field="response_format",
+        schema_param=SCHEMA_PARAM,
+    )
     return req, engine
 
 
 def parse(body: Any, *, strict: bool) -> ChatCompletionRequest:
-    """The checks of a body that need no model (an upstream model's request gets these, then goes upstream).
+    """The checks of a body that need no model (an upstream model's request gets these, then goes upstream with
+    every field as sent: tools, ``logit_bias`` and the rest are the upstream's to honour).
 
     Raises :class:`~miserver.errors.APIError` (400) as :func:`check` does.
     """
     req = parse_request(ChatCompletionRequest, body, strict=strict)
-    refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
-    refuse_message_names(req.messages)
+    grammar_of(req.response_format, param="response_format")
     check_max_tokens(req.max_tokens, req.max_completion_tokens)
     check_stop(req.stop)
     check_stream_options(req.stream, req.stream_options)
@@ -130,6 +140,7 @@ def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
     max_tokens = req.max_completion_tokens or req.max_tokens or max(room, 1)
     check_context(len(prompt), max_tokens, engine.info.context_length, param="messages")
     seed, seed_header = ctx.pick_seed(req.seed)
+    grammar = grammar_of(req.response_format, param="response_format")
     gen = generation_request(
         prompt,
         max_tokens=max_tokens,
@@ -139,11 +150,15 @@ def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
         seed=seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         n=req.n,
+        logit_bias=logit_bias_pairs(req.logit_bias, engine),
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        grammar=grammar,
         priority=call.priority,
         fairness_key=call.fairness_key,
         invariant=call.invariant,
     )
-    headers = provenance_headers(engine, seed_header, call.lease, invariant=call.invariant)
+    headers = provenance_headers(engine, seed_header, call.lease, invariant=call.invariant, grammar=grammar)
     return _Prepared(req, engine, gen, headers, random_id("chatcmpl-"))
 
 

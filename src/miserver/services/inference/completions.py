@@ -24,10 +24,12 @@ from ...protocol.completions import Completion, CompletionChoice, CompletionLogp
 from ...protocol.parsing import carried_fields, parse_request
 from . import routing
 from .checks import check_context, check_stop, check_stream_options, refuse_unsupported
+from .constraints import logit_bias_pairs
 from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
 
-UNSUPPORTED_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of")
+#: Fields the resident engine cannot honour (refused unless neutral; relayed as they are to an upstream).
+UNSUPPORTED_FIELDS = ("best_of",)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
 
 
@@ -38,24 +40,28 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRe
 
 
 def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[CompletionRequest, Engine]:
-    """Parse and check a request body without running it (batch validation calls this too).
+    """Parse and check a request body for the resident engine without running it (batch validation calls this too):
+    the fields it cannot honour are refused and ``logit_bias`` keys must be its token ids.
 
-    Raises :class:`~miserver.errors.APIError` (400 schema/unknown/unsupported, 404 ``model_not_found``).
+    Raises :class:`~miserver.errors.APIError` (400 schema/unknown/unsupported/bad ``logit_bias``, 404
+    ``model_not_found``).
     """
     req = parse(body, strict=strict)
     engine = ctx.resolve_model(req.model)
+    refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
+    if req.suffix:
+        raise UnsupportedParameterError("Unsupported parameter: 'suffix' is not supported.", param="suffix")
+    logit_bias_pairs(req.logit_bias, engine)
     return req, engine
 
 
 def parse(body: Any, *, strict: bool) -> CompletionRequest:
-    """The checks of a body that need no model (an upstream model's request gets these, then goes upstream).
+    """The checks of a body that need no model (an upstream model's request gets these, then goes upstream with
+    every field as sent).
 
     Raises :class:`~miserver.errors.APIError` (400) as :func:`check` does.
     """
     req = parse_request(CompletionRequest, body, strict=strict)
-    refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
-    if req.suffix:
-        raise UnsupportedParameterError("Unsupported parameter: 'suffix' is not supported.", param="suffix")
     check_stop(req.stop)
     check_stream_options(req.stream, req.stream_options)
     if isinstance(req.prompt, list) and len(req.prompt) == 0:
@@ -124,6 +130,9 @@ def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
             seed=seed,
             logprobs=req.logprobs,
             n=req.n,
+            logit_bias=logit_bias_pairs(req.logit_bias, engine),
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
             priority=call.priority,
             fairness_key=call.fairness_key,
             invariant=call.invariant,

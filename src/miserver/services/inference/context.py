@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...engines.base import Engine
+from ...engines.base import Engine, Grammar
 from ...engines.upstream import UPSTREAM_PATHS, Gateway, UpstreamPool
 from ...errors import ConflictError, EngineUnavailableError, ModelNotFoundError, UnsupportedValueError
 from ...model_lease import LeaseManager
@@ -247,10 +247,16 @@ class ServiceContext:
 
 
 def provenance_headers(
-    engine: Engine, seed_header: str, lease: str | None = None, *, invariant: bool | None = None
+    engine: Engine,
+    seed_header: str,
+    lease: str | None = None,
+    *,
+    invariant: bool | None = None,
+    grammar: Grammar | None = None,
 ) -> dict[str, str]:
     """The ``X-miLLM-*`` headers of DESIGN §3.4 for a response produced by ``engine``; ``invariant`` (generation
-    only) says whether it ran batch-invariant (``X-miLLM-Batch-Invariant``)."""
+    only) says whether it ran batch-invariant (``X-miLLM-Batch-Invariant``); a ``grammar`` constrained it, applied
+    by the engine's library (``X-miLLM-Grammar``)."""
     info = engine.info
     headers = {
         "X-miLLM-Model": info.model_id,
@@ -263,4 +269,6 @@ def provenance_headers(
         headers["X-miLLM-Lease"] = lease
     if invariant is not None:
         headers["X-miLLM-Batch-Invariant"] = "true" if invariant else "false"
+    if grammar is not None:
+        headers["X-miLLM-Grammar"] = str(getattr(engine, "grammar_backend", "yes"))
     return headers

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ...clock import now
-from ...engines.base import Engine
+from ...engines.base import Engine, Grammar
 from ...errors import APIError, InvalidRequestError, NotFoundError, UnsupportedParameterError
 from ...ids import ordered_id, random_id
 from ...protocol.parsing import parse_request
@@ -35,6 +35,7 @@ from ...protocol.responses import (
     ResponseCreateRequest,
     ResponseDeleted,
     ResponseObject,
+    ResponseTextConfig,
     ResponseUsage,
     StoredInputItem,
 )
@@ -43,6 +44,7 @@ from ...store.responses import StoredResponse
 from ..accounts import keys as accounts
 from . import chat
 from .checks import check_metadata
+from .constraints import check_grammar, grammar_of
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 
 #: How long a stored Response is kept: 30 days after creation, as files (``FILE_DEFAULT_EXPIRY_SECONDS``'s default).
@@ -81,9 +83,6 @@ def _refuse_unsupported(req: ResponseCreateRequest) -> None:
         raise _unsupported("conversation", "is not supported: chain stored responses with 'previous_response_id'.")
     if req.prompt is not None:
         raise _unsupported("prompt", "is not supported: this server keeps no prompt templates.")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise _unsupported(name, "other than 0 is not supported: the resident engine samples without penalties.")
     if req.top_logprobs:
         raise _unsupported("top_logprobs", "is not supported on /v1/responses: use /v1/chat/completions.")
     if req.truncation == "auto":
@@ -101,17 +100,7 @@ def _refuse_unsupported(req: ResponseCreateRequest) -> None:
 def _check_text_config(form: dict[str, Any] | None, verbosity: str | None) -> None:
     if verbosity is not None:
         raise _unsupported("text.verbosity", "is not supported by the resident model.")
-    if form is None:
-        return
-    kind = form.get("type")
-    if kind in ("json_schema", "json_object"):
-        raise _unsupported("text.format", f"of type '{kind}' is not supported: the engine does not constrain output.")
-    if kind != "text":
-        raise InvalidRequestError(
-            "Invalid value for 'text.format.type': it must be one of 'text', 'json_schema', 'json_object' (this "
-            "server serves 'text').",
-            param="text.format.type",
-        )
+    grammar_of(form, param="text.format", flat=True)
 
 
 def _input_turns(req: ResponseCreateRequest) -> Turns:
@@ -142,7 +131,24 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCrea
     _refuse_unsupported(req)
     check_metadata(req.metadata)
     _input_turns(req)
-    return req, ctx.resolve_model(req.model)
+    engine = ctx.resolve_model(req.model)
+    check_grammar(engine, _grammar(req), field="text.format", schema_param="text.format.schema")
+    return req, engine
+
+
+def _grammar(req: ResponseCreateRequest) -> Grammar | None:
+    return grammar_of(req.text.format if req.text else None, param="text.format", flat=True)
+
+
+def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
+    """``text.format`` as the chat request's ``response_format`` (None for plain text)."""
+    form = req.text.format if req.text else None
+    if form is None or form.get("type") in (None, "text"):
+        return None
+    if form.get("type") == "json_object":
+        return {"type": "json_object"}
+    spec = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
+    return {"type": "json_schema", "json_schema": spec}
 
 
 def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
@@ -156,6 +162,12 @@ def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
         body["temperature"] = req.temperature
     if req.top_p is not None:
         body["top_p"] = req.top_p
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            body[name] = getattr(req, name)
+    response_format = _response_format(req)
+    if response_format is not None:
+        body["response_format"] = response_format
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -163,9 +175,15 @@ def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
 
 
 def _from_chat(exc: APIError) -> APIError:
-    """A chat service error named as this route names it: the chat request's ``messages`` are ``input`` here."""
+    """A chat service error named as this route names it: the chat request's ``messages`` are ``input`` here, its
+    ``response_format.json_schema`` is ``text.format``."""
     if exc.param is not None and exc.param.startswith("messages"):
         return type(exc)(exc.message, param="input", code=exc.code)
+    if exc.param is not None and exc.param.startswith("response_format"):
+        param = exc.param.replace("response_format.json_schema", "text.format").replace(
+            "response_format", "text.format"
+        )
+        return type(exc)(exc.message.replace("response_format", "text.format"), param=param, code=exc.code)
     return exc
 
 
@@ -237,7 +255,16 @@ def _response(
         else None,
         user=req.user,
         metadata=req.metadata or {},
+        text=ResponseTextConfig(format=_format_echo(req)),
     ).model_dump()
+
+
+def _format_echo(req: ResponseCreateRequest) -> dict[str, Any]:
+    """The ``text.format`` a Response echoes: the one sent (the schema as given), else plain text."""
+    form = req.text.format if req.text else None
+    if form is None or form.get("type") in (None, "text"):
+        return {"type": "text"}
+    return {k: form[k] for k in ("type", "name", "schema", "strict", "description") if k in form}
 
 
 def _answer_id(response: dict[str, Any]) -> dict[str, str]:

@@ -33,7 +33,7 @@ from .many import Outcome, Plan
 log = logging.getLogger("miserver.gateway")
 
 #: Provenance headers an upstream miServer sets that are copied as they are.
-COPIED_HEADERS = ("X-miLLM-Seed", "X-miLLM-Weights", "X-miLLM-Dtype")
+COPIED_HEADERS = ("X-miLLM-Seed", "X-miLLM-Weights", "X-miLLM-Dtype", "X-miLLM-Grammar", "X-miLLM-Batch-Invariant")
 
 Parse = Callable[..., Any]
 LocalCheck = Callable[..., tuple[Any, Engine]]

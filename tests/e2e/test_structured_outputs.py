@@ -1,0 +1,175 @@
+"""Structured outputs, ``logit_bias`` and penalties on the real embedded model (SmolLM2-135M-Instruct), with the
+official SDK in strict mode.
+
+The SDK's own helpers (``chat.completions.parse`` and ``responses.parse`` with a pydantic model) work unchanged; a
+Batch API file of 100 extraction lines with one ``json_schema`` runs packed and 10 of them unpacked, and every
+output parses and validates against its schema; each answer says it was constrained (``X-miLLM-Grammar``, copied
+into a batch line's ``millm.headers``); a schema refused by strict mode or by the compiler fails its line alone,
+with the field named; output cut by ``max_tokens`` ends ``length``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from miserver.engines.local.loader import load_tokenizer, resolve_model_source
+from miserver.settings import EMBEDDED_MODEL_ID
+from tests.support.batches import api_error, error_of, jsonl, line, read_lines, submit, wait_terminal
+from tests.support.server import ServerProcess
+from tests.support.tiny_model import default_cache_dir
+
+pytestmark = pytest.mark.slow
+
+MODEL = EMBEDDED_MODEL_ID
+NAMES = ["John Smith", "Mary Jones", "Ali Khan", "Li Wei", "Ana Silva", "Tom Brown", "Eva Novak", "Raj Patel"]
+CITIES = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Berlin", "Quito", "Dublin", "Seoul"]
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    city: str
+
+
+SCHEMA = {**Person.model_json_schema(), "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+
+
+def extraction(i: int) -> str:
+    return f"Extract the person as JSON: {NAMES[i % 8]} is {20 + i % 50} years old and lives in {CITIES[i % 10]}."
+
+
+def body(i: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": extraction(i)}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "response_format": FORMAT,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("structured")
+    proc = ServerProcess(
+        model=MODEL,
+        database_url=f"sqlite:///{tmp / 'miserver.db'}",
+        data_dir=tmp / "var",
+        env={"MISERVER_TORCH_THREADS": "1"},
+    )
+    with proc:
+        yield proc
+
+
+def test_the_sdks_parse_helpers_get_a_validated_object(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    raw = client.chat.completions.with_raw_response.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": extraction(0)}],
+        response_format=Person,
+        max_tokens=40,
+        temperature=0,
+    )
+    assert raw.headers["X-miLLM-Grammar"] == "xgrammar"
+    completion = raw.parse()
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Person)
+    response = client.responses.parse(
+        model=MODEL, input=extraction(1), text_format=Person, max_output_tokens=40, temperature=0
+    )
+    assert isinstance(response.output_parsed, Person)
+    assert response.text.format.type == "json_schema"  # the format is echoed
+
+
+def test_json_object_and_a_cut_object(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    messages = [{"role": "user", "content": "Describe a cat as JSON."}]
+    done = client.chat.completions.create(
+        model=MODEL, messages=messages, response_format={"type": "json_object"}, max_tokens=3, temperature=0
+    )
+    assert done.choices[0].finish_reason == "length", "3 tokens cannot close an object: never presented as complete"
+    assert done.choices[0].message.content and done.choices[0].message.content.startswith("{")
+    stream = client.chat.completions.create(**body(2, max_tokens=6), stream=True)
+    reasons = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["length"]
+
+
+def test_bad_schemas_and_biases_are_refused_naming_the_field(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    lax = {"type": "object", "properties": {"a": {"type": "string"}}}
+    cases = [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": lax, "strict": True}}, "additionalProperties"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}, "objekt"),
+    ]
+    for fmt, reason in cases:
+        exc = api_error(client.chat.completions.create, **{**body(0), "response_format": fmt})
+        assert exc.status_code == 400
+        assert error_of(exc)["param"] == "response_format.json_schema.schema" and reason in error_of(exc)["message"]
+    exc = api_error(client.chat.completions.create, **{**body(0), "logit_bias": {"49152": 5}})
+    assert (exc.status_code, error_of(exc)["param"]) == (400, "logit_bias")
+    exc = api_error(
+        client.responses.create,
+        model=MODEL,
+        input="x",
+        text={"format": {"type": "json_schema", "name": "x", "schema": lax, "strict": True}},
+    )
+    assert (exc.status_code, error_of(exc)["param"]) == (400, "text.format.schema")
+
+
+def test_logit_bias_and_penalties_change_the_answer(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True)
+    assert plain.choices[0].logprobs and plain.choices[0].logprobs.content
+    # the first token's id, from the model's own tokenizer: ban it and the answer must start otherwise
+    first = plain.choices[0].logprobs.content[0].token
+    tokenizer = load_tokenizer(resolve_model_source(MODEL), default_cache_dir())
+    (token_id,) = tokenizer.convert_tokens_to_ids([tokenizer.tokenize(first)[0]])
+    banned = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, logit_bias={str(token_id): -100}
+    )
+    assert banned.choices[0].message.content != plain.choices[0].message.content
+    penalised = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
+    )
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
+    ask = {"model": MODEL, "input": "Name three fruits.", "max_output_tokens": 16, "temperature": 0}
+    unpenalised = client.responses.create(**ask)
+    response = client.responses.create(**ask, extra_body={"presence_penalty": 1.5, "frequency_penalty": 2.0})
+    assert (response.presence_penalty, response.frequency_penalty) == (1.5, 2.0)  # echoed, and honoured
+    assert response.output_text != unpenalised.output_text
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_an_extraction_batch_validates_every_row(server: ServerProcess, pack: bool) -> None:
+    client = server.client(timeout=60.0)
+    rows = 100 if pack else 10
+    lines = [line(f"p-{i:03d}", body(i)) for i in range(rows)]
+    lines.append(line("bad", {**body(0), "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}))
+    batch = submit(client, jsonl(lines), extra_body={"pack": pack})
+    done = wait_terminal(client, batch.id, timeout=900)
+    assert done.status == "completed", done
+    out = read_lines(client, done.output_file_id)
+    assert [o["custom_id"] for o in out] == [f"p-{i:03d}" for i in range(rows)]
+    invalid = []
+    for o in out:
+        response = o["response"]
+        assert response["status_code"] == 200
+        assert response["millm"]["headers"]["X-miLLM-Grammar"] == "xgrammar"
+        choice = response["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        try:
+            Person.model_validate_json(choice["message"]["content"])
+        except ValidationError as exc:
+            invalid.append((o["custom_id"], str(exc)))
+    assert not invalid
+    (err,) = read_lines(client, done.error_file_id)
+    assert err["custom_id"] == "bad"
+    assert err["response"]["body"]["error"]["param"] == "body.response_format.json_schema.schema"
