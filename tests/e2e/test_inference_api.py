@@ -411,10 +411,10 @@ def test_unknown_field_ignored_unless_strict(client: openai.OpenAI) -> None:
 
 
 def test_unsupported_parameters(client: openai.OpenAI) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    functions = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
     for kwargs, param in (
-        ({"tools": tools}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": functions}, "functions"),
+        ({"function_call": {"name": "f"}}, "function_call"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ):
         for headers in (None, {"X-miLLM-Strict": "true"}):  # refused in both modes

@@ -10,6 +10,7 @@ with the field named; output cut by ``max_tokens`` ends ``length``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,3 +174,120 @@ def test_an_extraction_batch_validates_every_row(server: ServerProcess, pack: bo
     (err,) = read_lines(client, done.error_file_id)
     assert err["custom_id"] == "bad"
     assert err["response"]["body"]["error"]["param"] == "body.response_format.json_schema.schema"
+
+
+# -- tools: the generic tool prompt, calls forced by grammar, results fed back ------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_tool_call_round_trip(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        first = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice=choice,
+            max_tokens=40,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        done = first.choices[0]
+        assert done.finish_reason == "tool_calls" and done.message.content is None
+        assert done.message.tool_calls and len(done.message.tool_calls) == 1
+        call = done.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather"  # type: ignore[union-attr]
+        assert set(json.loads(call.function.arguments)) == {"city"}  # type: ignore[union-attr]
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18}'}
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}, result]
+    final = client.chat.completions.create(
+        model=MODEL,
+        messages=turns,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_tokens=20,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
+    assert not final.choices[0].message.tool_calls
+
+
+def test_streamed_tool_call_deltas(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=40,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    calls, reasons = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls += choice.delta.tool_calls or []
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    assert reasons == ["tool_calls"]
+    assert [c.function.name for c in calls if c.function] == ["get_weather"]
+    assert calls[0].id and calls[0].id.startswith("call_")
+
+
+def test_tool_errors_name_the_field(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    bad_name = {"type": "function", "function": {"name": "no spaces allowed"}}
+    for kwargs, param in (
+        ({"tools": [bad_name]}, "tools[0].function.name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ):
+        exc = api_error(client.chat.completions.create, model=MODEL, messages=ASK, max_tokens=4, **kwargs)
+        assert (exc.status_code, error_of(exc)["param"]) == (400, param)
+    exc = api_error(
+        client.chat.completions.create, model=MODEL, messages=[*ASK, {"role": "tool", "content": "x"}], max_tokens=4
+    )
+    assert (exc.status_code, error_of(exc)["param"]) == (400, "messages[1].tool_call_id")
+
+
+def test_a_batch_with_tools(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    cities = ["Paris", "Rome", "Oslo", "Lima"]
+    lines = [
+        line(
+            f"t-{i}",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"What is the weather in {city}?"}],
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "max_tokens": 40,
+                "temperature": 0,
+            },
+        )
+        for i, city in enumerate(cities)
+    ]
+    done = wait_terminal(client, submit(client, jsonl(lines), extra_body={"pack": True}).id, timeout=600)
+    assert done.status == "completed", done
+    for o in read_lines(client, done.output_file_id):
+        choice = o["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])

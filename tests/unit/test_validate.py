@@ -90,7 +90,8 @@ def test_valid_line_resolves_model(ctx: ServiceContext) -> None:
         (line(body={"model": MODEL, "messages": "hi"}), "invalid_type", "body.messages"),
         (chat(temperature="hot"), "invalid_type", "body.temperature"),
         (chat(temperature=3), "invalid_value", "body.temperature"),
-        (chat(tools=[{"type": "function"}]), "unsupported_parameter", "body.tools"),
+        (chat(tools=[{"type": "function"}]), "missing_required_parameter", "body.tools[0].function"),
+        (chat(functions=[{"name": "f"}]), "unsupported_parameter", "body.functions"),
         (
             line(body={"model": "other", "messages": [{"role": "user", "content": "x"}]}),
             "model_not_found",

@@ -76,13 +76,31 @@ ContentPart = Annotated[
 ]
 
 
+class FunctionCallIn(RequestModel):
+    """``function`` of an earlier tool call: the tool's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(RequestModel):
+    """One tool call of an earlier assistant turn (``messages[i].tool_calls[j]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(RequestModel):
     """One conversation turn. ``content`` is a string or a list of text parts. ``name`` is declared so that the
-    service can refuse it by name (the resident model's chat template has no place for it)."""
+    service can refuse it by name (the resident model's chat template has no place for it). An assistant turn may
+    carry the ``tool_calls`` it made; a ``tool`` turn is a call's result, naming the call in ``tool_call_id``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message's content as one string (parts joined without separator, as OpenAI does)."""
@@ -132,10 +150,23 @@ class ChatCompletionRequest(RequestModel):
     service_tier: str | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    #: the arguments as JSON text (OpenAI's form)
+    arguments: str
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChoiceLogprobs(ResponseModel):
@@ -147,7 +178,7 @@ class ChatChoice(ResponseModel):
     index: int
     message: ChatCompletionMessage
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(ResponseModel):
@@ -160,16 +191,26 @@ class ChatCompletion(ResponseModel):
     system_fingerprint: str | None = None
 
 
+class ChunkToolCall(ResponseModel):
+    """A tool call in a stream: ``index`` among the choice's calls (sent whole, in one delta)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChunkDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
 
 
 class ChunkChoice(ResponseModel):
     index: int
     delta: ChunkDelta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(ResponseModel):

@@ -86,7 +86,7 @@ class Grammars:
             schema = grammar.schema if grammar.kind == "json_schema" else '{"type": "object"}'
             try:
                 compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
-            except RuntimeError as exc:
+            except (RuntimeError, TypeError, ValueError) as exc:
                 raise ValueError(_NOISE.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")) from exc
             self._compiled[grammar] = compiled
             if len(self._compiled) > CACHE_SIZE:

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...clock import now
 from ...engines.adapter import generation_request
-from ...engines.base import Engine, GenerationRequest, GenerationResult, ScoreRequest, ScoreResult, TokenLogprob
+from ...engines.base import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    Grammar,
+    ScoreRequest,
+    ScoreResult,
+    TokenLogprob,
+)
 from ...engines.upstream import UpstreamPool
 from ...errors import InvalidRequestError, MissingParameterError
 from ...ids import random_id
@@ -22,6 +30,9 @@ from ...protocol.chat import (
     ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
+    ChunkToolCall,
+    FunctionCall,
+    ToolCallOut,
 )
 from ...protocol.common import ChatTokenLogprob, TopLogprob, Usage
 from ...protocol.parsing import carried_fields, parse_request
@@ -37,13 +48,11 @@ from .checks import (
 from .constraints import check_grammar, grammar_of, logit_bias_pairs
 from .context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage, provenance_headers
 from .many import Outcome, Packing, Plan, run_many
+from .tools import ToolCall, Tools, call_grammar, call_text, parse_call, parse_tools, with_tools
 
 #: Fields the resident engine cannot honour (refused unless neutral; relayed as they are to an upstream).
 SCHEMA_PARAM = "response_format.json_schema.schema"
 UNSUPPORTED_FIELDS = (
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
     "functions",
     "function_call",
     "modalities",
@@ -63,8 +72,9 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompleti
 
 def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCompletionRequest, Engine]:
     """Parse and check a request body for the resident engine without running it (batch validation calls this too):
-    the fields it cannot honour are refused, ``logit_bias`` keys must be its token ids, and a ``response_format``
-    schema is compiled (cached for the run).
+    the fields it cannot honour are refused, ``logit_bias`` keys must be its token ids, ``tools`` and
+    ``tool_choice`` are checked, and the answer's grammar (a ``response_format`` schema, or a forced tool call) is
+    compiled (cached for the run).
 
     Raises :class:`~miserver.errors.APIError`: 400 for schema, unknown (strict) and unsupported fields, a bad
     ``logit_bias`` or schema, 404 ``model_not_found``.
@@ -74,13 +84,27 @@ def check_local(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ChatCo
     refuse_unsupported(carried_fields(req, UNSUPPORTED_FIELDS))
     refuse_message_names(req.messages)
     logit_bias_pairs(req.logit_bias, engine)
-    check_grammar(
-        engine,
-        grammar_of(req.response_format, param="response_format"),
-        field="response_format",
-        schema_param=SCHEMA_PARAM,
-    )
+    _grammar(engine, req, parse_tools(req.tools, req.tool_choice))
     return req, engine
+
+
+def _grammar(engine: Engine, req: ChatCompletionRequest, tools: Tools | None) -> Grammar | None:
+    """The grammar of the answer, compiled on ``engine`` (cached): a forced tool call's, or the response format's.
+    Raises 400 as :func:`~miserver.services.inference.constraints.check_grammar` does, and on ``response_format``
+    when both would constrain the answer."""
+    answer = grammar_of(req.response_format, param="response_format")
+    call = None if tools is None else call_grammar(tools)
+    if call is not None and answer is not None:
+        raise InvalidRequestError(
+            "Invalid 'response_format': it cannot be combined with a 'tool_choice' that forces a tool call (the "
+            "call's arguments follow the tool's parameters).",
+            param="response_format",
+        )
+    if call is not None:
+        check_grammar(engine, call, field="tools", schema_param="tools")
+        return call
+    check_grammar(engine, answer, field="response_format", schema_param=SCHEMA_PARAM)
+    return answer
 
 
 def parse(body: Any, *, strict: bool) -> ChatCompletionRequest:
@@ -101,12 +125,31 @@ def parse(body: Any, *, strict: bool) -> ChatCompletionRequest:
             raise MissingParameterError(
                 f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content"
             )
+        if message.role == "tool" and not message.tool_call_id:
+            raise MissingParameterError(
+                f"Missing required parameter: 'messages[{i}].tool_call_id'.", param=f"messages[{i}].tool_call_id"
+            )
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequestError(
+                f"Invalid 'messages[{i}].tool_calls': only an assistant turn carries tool calls.",
+                param=f"messages[{i}].tool_calls",
+            )
     return req
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def _messages(req: ChatCompletionRequest, tools: Tools | None = None) -> list[dict[str, str]]:
+    """The turns as the chat template takes them: ``developer`` as ``system``; an assistant turn's tool calls
+    written as the calls the model makes (see :mod:`~miserver.services.inference.tools`), after its text; with
+    ``tools``, the tool prompt in the system turn."""
     role = {"developer": "system"}
-    return [{"role": role.get(m.role, m.role), "content": m.text()} for m in req.messages]
+    turns = []
+    for m in req.messages:
+        content = m.text()
+        if m.tool_calls:
+            calls = [call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+            content = "\n".join([content, *calls] if content else calls)
+        turns.append({"role": role.get(m.role, m.role), "content": content})
+    return turns if tools is None else with_tools(turns, tools)
 
 
 def _logprob(lp: TokenLogprob) -> ChatTokenLogprob:
@@ -125,6 +168,8 @@ class _Prepared:
     gen: GenerationRequest
     headers: dict[str, str]
     completion_id: str
+    #: the request's tools, when the model may call them (``tool_choice`` other than ``none``)
+    tools: Tools | None = None
 
     @property
     def scoring(self) -> bool:
@@ -135,12 +180,13 @@ class _Prepared:
 def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
     """Check, tokenise, check the context length and pick the seed (raises :class:`~miserver.errors.APIError`)."""
     req, engine = check_local(ctx, body, strict=call.strict)
-    prompt = engine.tokenize_chat(_messages(req))
+    tools = parse_tools(req.tools, req.tool_choice)
+    prompt = engine.tokenize_chat(_messages(req, tools))
     room = engine.info.context_length - len(prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(room, 1)
     check_context(len(prompt), max_tokens, engine.info.context_length, param="messages")
     seed, seed_header = ctx.pick_seed(req.seed)
-    grammar = grammar_of(req.response_format, param="response_format")
+    grammar = _grammar(engine, req, tools)
     gen = generation_request(
         prompt,
         max_tokens=max_tokens,
@@ -159,20 +205,27 @@ def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
         invariant=call.invariant,
     )
     headers = provenance_headers(engine, seed_header, call.lease, invariant=call.invariant, grammar=grammar)
-    return _Prepared(req, engine, gen, headers, random_id("chatcmpl-"))
+    calling = tools if tools is not None and tools.mode != "none" else None
+    return _Prepared(req, engine, gen, headers, random_id("chatcmpl-"), calling)
 
 
 def _build(p: _Prepared, result: GenerationResult) -> ServiceResult:
     """The response of a finished generation (the same code whether the row ran alone or in a pack)."""
-    choices = [
-        ChatChoice(
-            index=s.index,
-            message=ChatCompletionMessage(content=s.text),
-            logprobs=ChoiceLogprobs(content=[_logprob(lp) for lp in s.logprobs]) if s.logprobs is not None else None,
-            finish_reason=s.finish_reason,
+    choices = []
+    for s in result.sequences:
+        made = _tool_call(p, s.text, s.finish_reason)
+        choices.append(
+            ChatChoice(
+                index=s.index,
+                message=ChatCompletionMessage(content=s.text)
+                if made is None
+                else ChatCompletionMessage(content=None, tool_calls=[_tool_call_out(made)]),
+                logprobs=ChoiceLogprobs(content=[_logprob(lp) for lp in s.logprobs])
+                if s.logprobs is not None
+                else None,
+                finish_reason=s.finish_reason if made is None else "tool_calls",
+            )
         )
-        for s in result.sequences
-    ]
     usage = Usage(
         prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens,
@@ -181,6 +234,17 @@ def _build(p: _Prepared, result: GenerationResult) -> ServiceResult:
     model = p.engine.info.model_id
     response = ChatCompletion(id=p.completion_id, created=now(), model=model, choices=choices, usage=usage)
     return ServiceResult(200, response.model_dump(), p.headers, usage.prompt_tokens, usage.completion_tokens)
+
+
+def _tool_call(p: _Prepared, text: str, finish_reason: str) -> ToolCall | None:
+    """The tool call a finished answer makes, if the request has callable tools and the answer is one."""
+    if p.tools is None or finish_reason != "stop":
+        return None
+    return parse_call(text, p.tools)
+
+
+def _tool_call_out(made: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=made.id, function=FunctionCall(name=made.name, arguments=made.arguments))
 
 
 async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
@@ -197,7 +261,7 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
         counted = StreamUsage()
-        events = _stream(ctx, p.engine, p.gen, call, p.completion_id, include_usage, counted)
+        events = _stream(ctx, p, call, include_usage, counted)
         return StreamResult(events, p.headers, counted)
     return await _execute(ctx, p, call)
 
@@ -247,16 +311,14 @@ def create_many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan |
 
 
 async def _stream(
-    ctx: ServiceContext,
-    engine: Engine,
-    gen: GenerationRequest,
-    call: Call,
-    completion_id: str,
-    include_usage: bool,
-    counted: StreamUsage,
+    ctx: ServiceContext, p: _Prepared, call: Call, include_usage: bool, counted: StreamUsage
 ) -> AsyncIterator[str]:
+    """The chunks of a streamed request. With callable tools each choice's text is held until it ends: then it goes
+    out as one tool-call delta (``finish_reason: "tool_calls"``) or as one content delta."""
+    engine, gen, completion_id = p.engine, p.gen, p.completion_id
     created = now()
     model = engine.info.model_id
+    held: dict[int, list[str]] = {}
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
         c = ChatCompletionChunk(id=completion_id, created=created, model=model, choices=choices, usage=usage)
@@ -274,6 +336,19 @@ async def _stream(
                 if gen.params.logprobs is not None and delta.logprobs
                 else None
             )
+            if p.tools is not None:
+                held.setdefault(delta.index, []).append(delta.text)
+                if delta.finish_reason is None:
+                    continue
+                text = "".join(held.pop(delta.index))
+                made = _tool_call(p, text, delta.finish_reason)
+                if made is not None:
+                    out = _tool_call_out(made)
+                    calls = [ChunkToolCall(index=0, id=out.id, function=out.function)]
+                    yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(tool_calls=calls))])
+                    yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason="tool_calls")])
+                    continue
+                delta = replace(delta, text=text)
             if delta.text or logprobs is not None:
                 yield chunk([ChunkChoice(index=delta.index, delta=ChunkDelta(content=delta.text), logprobs=logprobs)])
             if delta.finish_reason is not None:
