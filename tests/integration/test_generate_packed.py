@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from miserver.batches import chunks, packing
+from miserver.engines.base import GenerationRequest
 from miserver.engines.local.engine import LocalEngine
+from miserver.engines.local.scheduler import Group, Ticket
 from miserver.scheduling.admission import AdmissionGate, Priority
 from miserver.services.inference.context import Call, ServiceContext
 from miserver.services.inference.registry import SERVICES
@@ -118,11 +120,9 @@ async def test_an_interactive_request_joins_the_packed_decode_at_the_next_step(
     rows = await claimed_batch(store, bodies, "t1")
     slot = await gate.acquire(Priority.BATCH)  # the chunk's slot, as the runner holds it
     chat: list[asyncio.Task[Any]] = []
-    at_arrival: list[int] = []
 
     def on_record(_custom_id: str) -> None:  # an interactive request arrives once the first row is recorded
         if not chat:
-            at_arrival.append(engine.scheduler.steps)
             call = Call(strict=True)
             chat.append(asyncio.create_task(SERVICES["/v1/chat/completions"].create(ctx, body("yo", 2), call)))
 
@@ -133,6 +133,15 @@ async def test_an_interactive_request_joins_the_packed_decode_at_the_next_step(
         return real(custom_id, *args, **kwargs)
 
     monkeypatch.setattr(chunks, "result_line", spy)
+    submitted: list[int] = []  # the steps done when each interactive request reached the scheduler
+    submit = engine.scheduler.submit
+
+    def arrive(request: GenerationRequest, group: Group | None = None) -> Ticket:
+        if request.priority == Priority.INTERACTIVE:
+            submitted.append(engine.scheduler.steps)
+        return submit(request, group)
+
+    monkeypatch.setattr(engine.scheduler, "submit", arrive)
     admitted: list[tuple[int, int]] = []  # (step, batch sequences in flight) as each interactive request starts
     count = engine.scheduler.on_start
 
@@ -149,8 +158,10 @@ async def test_an_interactive_request_joins_the_packed_decode_at_the_next_step(
     answer = await chat[0]
     assert report.recorded == 4, "no batch row is dropped or ended for the interactive request"
     assert engine.executions - before == 5, "each row once, and the interactive request"
-    (step, beside), *_ = admitted
-    assert step <= at_arrival[0] + 1, "admitted at the next step, not after a batch row's end"
+    assert len(submitted) == len(admitted) == 1
+    (step, beside) = admitted[0]
+    # it reached the scheduler while step k ran (k steps done) and starts at step k + 1, not after a row's end
+    assert step == submitted[0] + 1, f"admitted at the next step: arrived after {submitted[0]} steps, began at {step}"
     assert beside >= 1, "it joined while batch rows were in flight"
     assert answer.status_code == 200 and answer.headers["X-miLLM-Batch-Invariant"] == "false"
     done = await results(store)

@@ -23,6 +23,7 @@ from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import files as sf
 from miserver.store import rows as sr
+from tests.support.waiting import until
 
 TEXTS = ["hi", "tell me about the sea and the ships on it", "why", "what is the capital of France?", "ok then"]
 SETTINGS = Settings(batch_pack_max_padding=1.0)  # rows of any length share a pack: every scoring row packs
@@ -132,8 +133,7 @@ async def test_a_waiting_interactive_request_does_not_end_the_window(
     monkeypatch.setattr(packing, "runner_plan", lambda settings: lambda lengths: [[i] for i in range(len(lengths))])
     slot = await gate.acquire(Priority.BATCH)  # the chunk's slot, as the runner holds it
     waiter = asyncio.create_task(gate.acquire(Priority.INTERACTIVE))
-    await asyncio.sleep(0)  # let the interactive request queue
-    assert gate.queue_length(Priority.INTERACTIVE) == 1
+    await until(lambda: gate.queue_length(Priority.INTERACTIVE), lambda n: n == 1, what="the chat queued at the gate")
     await window(ctx, store, rows, slot)
     # the engine's step scheduler admits interactive sequences beside the batch's: the window runs to its end
     assert len(await results(store)) == len(TEXTS)

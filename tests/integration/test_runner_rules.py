@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from miserver.batches.runner import BatchRunner
 from miserver.clock import now
+from miserver.engines.base import PoolRequest, Vector
 from miserver.ids import ordered_id
 from miserver.model_lease import LeaseManager
 from miserver.scheduling.admission import AdmissionGate, Priority
@@ -28,6 +29,7 @@ from miserver.store import files as sf
 from miserver.store import rows as sr
 from miserver.store.batches import BatchRecord, StaleStatus
 from tests.support.fake_engine import MODEL, FakeEngine
+from tests.support.waiting import eventually, until
 
 ENDPOINT = "/v1/embeddings"
 
@@ -111,22 +113,13 @@ async def settle(*runners: BatchRunner, batch_ids: list[str], passes: int = 200)
     raise AssertionError(f"batches did not finish: {statuses}")
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], turns: int = 10_000) -> None:
-    """Await ``check()`` until it is true, yielding to the runner's tasks between tries (bounded: ``turns`` tries,
-    1 ms apart); the caller's assertions then say what was expected."""
-    for _ in range(turns):
-        if await check():
-            return
-        await asyncio.sleep(0.001)
+async def _statuses(store: Store, batch_ids: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple([(await get(store, b)).status for b in batch_ids])
 
 
-async def _statuses(store: Store, batch_ids: tuple[str, ...], wanted: tuple[str, ...]) -> bool:
-    return tuple([(await get(store, b)).status for b in batch_ids]) == wanted
-
-
-async def _renewed(runner: BatchRunner, after: float) -> bool:
+async def _expiry(runner: BatchRunner) -> float | None:
     current = runner.ctx.leases.current()
-    return current is not None and current.expires_at > after
+    return None if current is None else current.expires_at
 
 
 async def output_lines(store: Store, batch: BatchRecord) -> list[dict[str, Any]]:
@@ -260,8 +253,8 @@ async def test_an_interactive_request_does_not_end_the_chunk(store: Store) -> No
     chunk = asyncio.create_task(runner.advance(batch.id))
     await engine.entered.wait()
     interactive = asyncio.create_task(runner.ctx.gate.acquire(Priority.INTERACTIVE))
-    await asyncio.sleep(0)  # one loop turn: the request queues at the gate
-    assert runner.ctx.gate.queue_length(Priority.INTERACTIVE) == 1
+    gate = runner.ctx.gate
+    await until(lambda: gate.queue_length(Priority.INTERACTIVE), lambda n: n == 1, what="the chat queued at the gate")
     engine.hold.set()
     await chunk
     runner.ctx.gate.release(await interactive)
@@ -332,10 +325,31 @@ async def test_cancel_while_validating_accounts_for_every_line(store: Store, mon
     assert done.errors is not None and [(e["line"], e["code"]) for e in done.errors] == [(7, "invalid_json_line")]
 
 
+class HoldsAfter(FakeEngine):
+    """A fake engine that holds the rows whose first token is ``first`` once ``ran`` (a list shared by several such
+    engines) holds ``count`` of them: it sets ``inside`` and waits for ``go``."""
+
+    def __init__(self, first: int, count: int, ran: list[tuple[int, ...]], inside: asyncio.Event, go: asyncio.Event):
+        super().__init__()
+        self.first, self.count, self.ran, self.inside, self.go = first, count, ran, inside, go
+
+    async def embed(self, request: PoolRequest) -> Vector:
+        if request.prompt_ids[0] == self.first:
+            if len(self.ran) >= self.count:
+                self.inside.set()
+                await self.go.wait()
+            self.ran.append(request.prompt_ids)  # no await between the count and this: the count is exact
+        return await super().embed(request)
+
+
 async def test_two_runners_racing_the_same_batches(store: Store) -> None:
     """Two workers on one database advance the same batches concurrently (validation, chunks, finish, a cancel):
-    every row runs at most once, every batch ends with its counts adding up."""
-    one, two = runner_for(store, "w1"), runner_for(store, "w2")
+    every row runs at most once, every batch ends with its counts adding up, and the third batch, cancelled while
+    one of its rows is inside an engine after two of its rows ran, ends cancelled with its unrun rows failed."""
+    third_ran: list[tuple[int, ...]] = []
+    inside, cancelled = asyncio.Event(), asyncio.Event()
+    engines = [HoldsAfter(3, 2, third_ran, inside, cancelled) for _ in range(2)]  # the third batch's prefix is qqq
+    one, two = runner_for(store, "w1", engines[0]), runner_for(store, "w2", engines[1])
     prefixes = ["q" * (k + 1) for k in range(3)]  # distinct word lengths: every input of every batch is distinct
     batches = [await create_batch(store, input_lines(p, 7)) for p in prefixes]
     ids = [b.id for b in batches]
@@ -347,25 +361,26 @@ async def test_two_runners_racing_the_same_batches(store: Store) -> None:
                 await asyncio.gather(*list(runner._validations.values()), return_exceptions=True)
             if all([(await get(store, b)).terminal for b in ids]):
                 return
-            await asyncio.sleep(0)
 
     async def cancel_third() -> None:
-        for _ in range(10_000):
-            if (await get(store, ids[2])).completed:
-                break
-            await asyncio.sleep(0)
+        async with asyncio.timeout(60):
+            await inside.wait()  # two rows of the third batch ran, a third is held inside an engine
         async with store.tx() as conn:
-            await sb.try_transition(conn, ids[2], ("in_progress",), "cancelling", now())
+            assert await sb.try_transition(conn, ids[2], ("in_progress",), "cancelling", now()), "it was running"
+        cancelled.set()
 
     await asyncio.gather(race(one), race(two), cancel_third())
     ran = fake(one).executed + fake(two).executed
     assert len(ran) == len(set(ran)), "no row ran twice"
+    assert fake(one).executed and fake(two).executed, "both workers ran rows: they raced"
     for batch_id in ids:
         done = await get(store, batch_id)
         assert done.terminal and done.completed + done.failed == done.total == 7
         lines = await output_lines(store, done)
         assert sorted(x["custom_id"] for x in lines) == sorted(f"{prefixes[ids.index(batch_id)]}{i}" for i in range(7))
     assert (await get(store, ids[0])).status == (await get(store, ids[1])).status == "completed"
+    third = await get(store, ids[2])
+    assert third.status == "cancelled" and third.completed >= 2 and third.failed >= 1, third
 
 
 async def test_a_batch_with_no_valid_line_lists_one_error_per_line(store: Store) -> None:
@@ -409,7 +424,9 @@ async def test_a_chunk_longer_than_the_lease_keeps_the_lease(store: Store) -> No
     first_expiry = lease.expires_at
     now_s[0] += 50  # the row has run for 50 of the lease's 60 seconds
     # the next heartbeat (every 10 ms of real time) renews it from the clock's now
-    await eventually(lambda: _renewed(runner, first_expiry))
+    await eventually(
+        lambda: _expiry(runner), lambda at: at is not None and at > first_expiry, what="the lease renewed by the beat"
+    )
     now_s[0] += 50  # past the first expiry
     current = runner.ctx.leases.current()
     assert current is not None and current.lease == lease.lease, "the lease outlived its first TTL"
@@ -431,13 +448,15 @@ async def test_a_create_and_a_cancel_are_seen_while_another_batch_runs_a_row(sto
     async with store.tx() as conn:
         await sb.transition(conn, c.id, ("validating",), "cancelling", now())
     runner.wake()
-    await eventually(lambda: _statuses(store, (b.id, c.id), ("in_progress", "cancelled")))
+    wanted = ("in_progress", "cancelled")
+    await eventually(lambda: _statuses(store, (b.id, c.id)), lambda got: got == wanted, what=f"B, C {wanted}")
     current_b, current_c = await get(store, b.id), await get(store, c.id)
     assert (current_b.status, current_b.total) == ("in_progress", 2)
     assert (current_c.status, current_c.total, current_c.failed) == ("cancelled", 2, 2)
     assert engine.executed == [], "A's row is still held: everything above happened beside its chunk"
     engine.hold.set()
-    await eventually(lambda: _statuses(store, (a.id, b.id), ("completed", "completed")))
+    wanted = ("completed", "completed")
+    await eventually(lambda: _statuses(store, (a.id, b.id)), lambda got: got == wanted, what=f"A, B {wanted}")
     runner.stop()
     await loop
     assert [(await get(store, x.id)).status for x in (a, b)] == ["completed", "completed"]

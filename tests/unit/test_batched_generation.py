@@ -16,6 +16,7 @@ import pytest
 from miserver.engines.base import Generated, GeneratesMany, GenerationRequest, GenerationResult, SamplingParams
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import load_model, resolve_model_source
+from miserver.engines.local.steps import Start, Update
 
 PROMPTS = [
     "hello there",
@@ -114,15 +115,34 @@ async def test_per_row_stops_limits_seeds_and_n(engine: LocalEngine) -> None:
     assert len({tuple(s.token_ids) for s in seqs}) > 1, "the n samples use seeds seed and seed+1"
 
 
-async def test_a_finished_row_frees_its_slot_for_the_next(engine: LocalEngine) -> None:
+async def test_a_finished_row_frees_its_slot_for_the_next(engine: LocalEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     requests = [
         req(engine, PROMPTS[1], max_tokens=24, temperature=0),
         req(engine, PROMPTS[0], max_tokens=2, temperature=0),
         req(engine, PROMPTS[3], max_tokens=5, temperature=0),
     ]
+    started: dict[int, int] = {}  # row -> the step (numbered from this test's first) it started in
+    finished: dict[int, int] = {}  # row -> the step its result came out of
+    rows: dict[int, int] = {}  # ticket -> row
+    real = engine.scheduler.run_step
+    first = engine.scheduler.steps
+
+    async def spy(starts: list[Start], drops: list[int]) -> list[Update]:
+        step = engine.scheduler.steps - first
+        for s in starts:
+            rows[s.ticket] = next(i for i, r in enumerate(requests) if r is s.request)
+            started[rows[s.ticket]] = step
+        updates = await real(starts, drops)
+        finished.update({rows[u.ticket]: step for u in updates if u.result is not None})
+        return updates
+
+    monkeypatch.setattr(engine.scheduler, "run_step", spy)
     order = [g.index for g in await many(engine, requests, slots=2)]
     # Two slots: the long row and the 2-token row start; the 2-token row finishes first and the third row takes its
-    # slot, finishing long before the 40-token row.
+    # slot at the very next step, finishing long before the 24-token row.
+    assert started[0] == started[1] == 0, started
+    assert started[2] == finished[1] + 1, f"the freed slot is taken at the next step: {started}, {finished}"
+    assert finished[0] > started[2], "while the long row is still in flight"
     assert order == [1, 2, 0]
 
 

@@ -11,6 +11,7 @@ import pytest
 from miserver.batches.chunks import grouped, one_by_one
 from miserver.errors import EngineUnavailableError, InvalidRequestError
 from miserver.services.inference.many import Outcome
+from tests.support.waiting import stays, until
 
 
 def outcome(i: int) -> Outcome:
@@ -19,7 +20,7 @@ def outcome(i: int) -> Outcome:
 
 class Source:
     """An outcome source the test feeds by hand (``release(n)`` lets ``n`` more rows finish); it notes whether it
-    was closed."""
+    was closed, and ``sent`` counts the outcomes it handed out (:meth:`sent_reaches` waits for a count)."""
 
     def __init__(self, total: int, fail_after: int | None = None) -> None:
         self.total = total
@@ -31,6 +32,11 @@ class Source:
     def release(self, n: int) -> None:
         for _ in range(n):
             self.ready.release()
+
+    async def sent_reaches(self, n: int) -> None:
+        """Wait until ``n`` outcomes were handed out. The reader puts each one in its queue before it can be
+        suspended again (no await between), so once this returns those outcomes are in the queue."""
+        await until(lambda: self.sent, lambda k: k >= n, what=f"{n} outcomes handed out")
 
     async def outcomes(self) -> AsyncIterator[Outcome]:
         try:
@@ -44,19 +50,13 @@ class Source:
             self.closed = True
 
 
-async def settle() -> None:
-    """Let every task that can run, run (the pump moves what was released into its queue)."""
-    for _ in range(10):
-        await asyncio.sleep(0)
-
-
 async def test_outcomes_that_finish_while_the_recorder_is_busy_come_as_one_group() -> None:
     source = Source(6)
     groups = grouped(source.outcomes(), window=0)
     source.release(1)
     assert [o.index for o in await anext(groups)] == [0]  # without a window a lone outcome is yielded at once
     source.release(3)  # three rows finish while the first group is being recorded
-    await settle()
+    await source.sent_reaches(4)
     assert [o.index for o in await anext(groups)] == [1, 2, 3]
     source.release(2)
     assert [o.index for o in await anext(groups)] == [4, 5]
@@ -69,8 +69,8 @@ async def test_a_group_waits_its_window_for_more_outcomes() -> None:
     groups = grouped(source.outcomes(), limit=3, window=3600)
     source.release(1)
     first = asyncio.ensure_future(anext(groups))
-    await settle()
-    assert not first.done()  # the group is open: more rows are in flight
+    await source.sent_reaches(1)
+    await stays(first.done, lambda done: not done, what="the group open: more rows are in flight")
     source.release(2)  # two more finish within the window: the group is full
     assert [o.index for o in await asyncio.wait_for(first, 10)] == [0, 1, 2]
     source.release(2)  # the chunk's last rows: the group closes when the outcomes end, not at the window's end
@@ -110,9 +110,9 @@ async def test_closing_early_stops_reading_and_closes_the_source() -> None:
     groups = grouped(source.outcomes(), window=0)
     assert len(await anext(groups)) == 1
     await groups.aclose()  # type: ignore[attr-defined]
+    assert source.closed
     source.release(9)
-    await settle()
-    assert source.closed and source.sent == 1  # nothing was read after the close
+    await stays(lambda: source.sent, lambda n: n == 1, what="nothing read after the close")
 
 
 async def test_one_by_one_asks_for_the_next_outcome_only_when_the_caller_is_done() -> None:
@@ -120,7 +120,6 @@ async def test_one_by_one_asks_for_the_next_outcome_only_when_the_caller_is_done
     source.release(3)
     groups = one_by_one(source.outcomes())
     assert [o.index for o in await anext(groups)] == [0]
-    await settle()
-    assert source.sent == 1  # no read ahead: the next row has not been asked for
+    await stays(lambda: source.sent, lambda n: n == 1, what="no read ahead: the next row not asked for")
     await groups.aclose()  # type: ignore[attr-defined]
     assert source.closed

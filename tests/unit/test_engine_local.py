@@ -16,13 +16,13 @@ from miserver.engines.base import (
     SamplingParams,
     StreamDelta,
 )
-from miserver.engines.local import generate as gen
 from miserver.engines.local import loader
 from miserver.engines.local.detokenize import _Output
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.settings import EMBEDDED_MODEL_ID
 from tests.support.tiny_model import default_cache_dir
+from tests.support.waiting import until
 
 CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
 
@@ -103,15 +103,18 @@ async def test_max_tokens_gives_length(engine: LocalEngine) -> None:
     assert result.prompt_tokens == len(req.prompt_ids) and result.completion_tokens == 7
 
 
-async def test_max_tokens_zero_runs_no_model(engine: LocalEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(*args: object) -> None:
-        raise AssertionError("the model must not run")
-
-    monkeypatch.setattr(gen, "prefill", boom)
-    monkeypatch.setattr(gen, "decode_step", boom)
-    result = await engine.generate(request(engine, n=2, max_tokens=0))
+async def test_max_tokens_zero_runs_no_model(engine: LocalEngine) -> None:
+    calls: list[int] = []
+    handle = engine.loaded.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        result = await engine.generate(request(engine, n=2, max_tokens=0))
+        deltas = await collect(engine, request(engine, max_tokens=0))
+        assert calls == [], "the model must not run"
+        await engine.generate(request(engine, max_tokens=1))
+        assert calls, "the hook sees the model run (else the first check proves nothing)"
+    finally:
+        handle.remove()
     assert [(s.token_ids, s.text, s.finish_reason) for s in result.sequences] == [([], "", "length")] * 2
-    deltas = await collect(engine, request(engine, max_tokens=0))
     assert deltas == [StreamDelta(0, "", finish_reason="length")]
 
 
@@ -222,32 +225,44 @@ async def test_executions_counter_and_hook(engine: LocalEngine) -> None:
 
 
 async def test_closing_a_stream_stops_the_work(engine: LocalEngine) -> None:
+    """A stream closed after its first delta leaves at the next step: at most the step running when it closed
+    completes, and at most that step's one forward pass runs after the close."""
     calls: list[int] = []
     handle = engine.loaded.model.register_forward_hook(lambda *args: calls.append(1))
     try:
         stream = engine.generate_stream(request(engine, max_tokens=400, temperature=1.0))
         async for _ in stream:
             break
+        steps, forwards = engine.scheduler.steps, len(calls)
         await stream.aclose()  # type: ignore[attr-defined]
-        await engine.generate(request(engine, max_tokens=1))  # queued behind the producer on the one thread
+        await engine.scheduler.idle()
     finally:
         handle.remove()
-    assert len(calls) < 50
+    assert forwards >= 1, "the work had started: a delta came out of a forward pass"
+    assert engine.scheduler.steps - steps <= 1, "no step ran after the one in progress at the close"
+    assert len(calls) - forwards <= 1
+    assert engine.scheduler.in_flight == 0
 
 
 async def test_cancelling_generate_stops_the_work(engine: LocalEngine) -> None:
+    """A generation cancelled once it has really run (its prefill and two decode steps) leaves at the next step: at
+    most one forward pass (the step running, or already queued, when the cancel reached the request) follows."""
     calls: list[int] = []
     handle = engine.loaded.model.register_forward_hook(lambda *args: calls.append(1))
     try:
+        first = engine.scheduler.steps
         task = asyncio.create_task(engine.generate(request(engine, max_tokens=400, temperature=1.0)))
-        await asyncio.sleep(0.01)
+        await until(lambda: engine.scheduler.steps - first, lambda n: n >= 3, what="three steps of the generation")
+        forwards = len(calls)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await engine.generate(request(engine, max_tokens=1))  # queued behind the cancelled work
+        await engine.scheduler.idle()
     finally:
         handle.remove()
-    assert len(calls) < 100
+    assert forwards >= 3, "the work had started before the cancel"
+    assert len(calls) - forwards <= 1, "at most one step's forward pass ran after the cancel"
+    assert engine.scheduler.in_flight == 0
 
 
 def test_incremental_text_holds_back_split_characters_and_stop_prefixes(loaded: LoadedModel) -> None:

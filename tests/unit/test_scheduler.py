@@ -7,6 +7,12 @@ import asyncio
 import pytest
 
 from miserver.scheduling.admission import AdmissionGate, Priority
+from tests.support.waiting import until
+
+
+async def queued(gate: AdmissionGate, priority: Priority, n: int) -> None:
+    """Wait until ``n`` requests of ``priority`` wait at ``gate``."""
+    await until(lambda: gate.queue_length(priority), lambda k: k == n, what=f"{n} {priority.name} waiters")
 
 
 async def test_interactive_goes_before_waiting_batch() -> None:
@@ -20,10 +26,10 @@ async def test_interactive_goes_before_waiting_batch() -> None:
         gate.release(slot)
 
     batch = asyncio.create_task(take("batch-2", Priority.BATCH))
-    await asyncio.sleep(0)  # let it queue first
+    await queued(gate, Priority.BATCH, 1)  # the batch request waits first
     interactive = asyncio.create_task(take("chat", Priority.INTERACTIVE))
-    await asyncio.sleep(0)
-    assert gate.queue_length(Priority.BATCH) == 1 and gate.queue_length(Priority.INTERACTIVE) == 1
+    await queued(gate, Priority.INTERACTIVE, 1)
+    assert gate.queue_length(Priority.BATCH) == 1
     gate.release(first)
     await asyncio.gather(batch, interactive)
     assert order == ["chat", "batch-2"]
@@ -38,8 +44,10 @@ async def test_fifo_within_a_class() -> None:
         async with gate.hold(Priority.INTERACTIVE):
             order.append(i)
 
-    tasks = [asyncio.create_task(take(i)) for i in range(5)]
-    await asyncio.sleep(0)
+    tasks = []
+    for i in range(5):  # each arrives once the one before it waits: the arrival order is 0, 1, 2, 3, 4
+        tasks.append(asyncio.create_task(take(i)))
+        await queued(gate, Priority.INTERACTIVE, i + 1)
     gate.release(held)
     await asyncio.gather(*tasks)
     assert order == [0, 1, 2, 3, 4]
@@ -49,11 +57,15 @@ async def test_new_arrival_does_not_jump_the_queue() -> None:
     gate = AdmissionGate(1)
     held = await gate.acquire(Priority.BATCH)
     waiter = asyncio.create_task(gate.acquire(Priority.INTERACTIVE))
-    await asyncio.sleep(0)
+    await queued(gate, Priority.INTERACTIVE, 1)
     gate.release(held)  # handed to the waiter, not left free
     assert gate.in_use == 1
+    newcomer = asyncio.create_task(gate.acquire(Priority.INTERACTIVE))
+    await queued(gate, Priority.INTERACTIVE, 1)  # it waits: the slot went to the waiter before it
     slot = await waiter
+    assert not newcomer.done()
     gate.release(slot)
+    gate.release(await newcomer)
     assert gate.in_use == 0
 
 
@@ -61,7 +73,7 @@ async def test_cancelled_waiter_leaves_no_slot_behind() -> None:
     gate = AdmissionGate(1)
     held = await gate.acquire(Priority.BATCH)
     waiter = asyncio.create_task(gate.acquire(Priority.INTERACTIVE))
-    await asyncio.sleep(0)
+    await queued(gate, Priority.INTERACTIVE, 1)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter

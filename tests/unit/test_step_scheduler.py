@@ -12,14 +12,27 @@ from miserver.scheduling.admission import Priority
 
 
 class FakeSteps:
-    """Each request runs ``max_tokens`` steps (its first one included); records the starts and drops of each step."""
+    """Each request runs ``max_tokens`` steps (its first one included); records the starts and drops of each step.
 
-    def __init__(self) -> None:
+    The call numbered ``hold_at`` (0 first; drop-only calls count) sets ``held`` and waits for ``go`` before it
+    steps: the test acts while that step is "on the engine thread", at a step it names."""
+
+    def __init__(self, hold_at: int | None = None) -> None:
         self.left: dict[int, int] = {}
         self.log: list[tuple[list[int], list[int]]] = []
+        self.hold_at = hold_at
+        self.held = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def holding(self) -> None:
+        """Wait until the held call has started (raises ``TimeoutError`` after 10 s)."""
+        await asyncio.wait_for(self.held.wait(), 10)
 
     async def __call__(self, starts: list[Start], drops: list[int]) -> list[Update]:
         await asyncio.sleep(0)  # a step hands the event loop over, as the engine thread's job does
+        if len(self.log) == self.hold_at:
+            self.held.set()
+            await self.go.wait()
         self.log.append(([s.ticket for s in starts], list(drops)))
         for d in drops:
             self.left.pop(d, None)
@@ -39,17 +52,16 @@ def request(tokens: int, priority: Priority = Priority.BATCH, key: str = "a") ->
 
 
 async def test_an_interactive_request_starts_at_the_next_step_while_every_batch_slot_is_busy() -> None:
-    steps = FakeSteps()
+    steps = FakeSteps(hold_at=2)
     s = StepScheduler(steps, max_sequences=4, batch_slots=2)
     batch = [s.submit(request(10)) for _ in range(3)]
-    await asyncio.sleep(0)  # the loop task runs its first step
-    while s.steps < 2:
-        await asyncio.sleep(0)
+    await steps.holding()  # two steps done, the third on the engine thread
+    assert (s.steps, s.in_flight, s.waiting(Priority.BATCH)) == (2, 2, 1), "every batch slot busy, one row waits"
     chat = s.submit(request(2, Priority.INTERACTIVE))
+    steps.go.set()
     await chat.outcome()
-    assert batch[0].admitted_at == batch[1].admitted_at == 0 and batch[2].admitted_at is None
-    assert chat.admitted_at is not None and chat.admitted_at <= s.steps
-    assert chat.admitted_at - 2 <= 1, "at the next step after it arrived"
+    assert batch[0].admitted_at == batch[1].admitted_at == 0
+    assert chat.admitted_at == 3, "at the next step after it arrived"
     assert not any(b.withdrawn for b in batch), "no batch sequence left to make room"
     for b in batch:
         await b.outcome()
@@ -68,19 +80,22 @@ async def test_batch_sequences_take_turns_by_fairness_key() -> None:
 
 
 async def test_a_cancelled_or_stopped_request_leaves_at_the_next_step() -> None:
-    steps = FakeSteps()
+    steps = FakeSteps(hold_at=3)
     s = StepScheduler(steps, max_sequences=8, batch_slots=8)
     stop = False
     group = Group(should_stop=lambda: stop)
     a = s.submit(request(50, key="x"), group)
     b = s.submit(request(50, Priority.INTERACTIVE))
-    while s.steps < 3:
-        await asyncio.sleep(0)
+    await steps.holding()  # three steps done, the fourth on the engine thread; both in flight
+    assert s.in_flight == 2 and not a.done.is_set() and not b.done.is_set()
     b.cancel()
     stop = True
+    steps.go.set()
     await asyncio.gather(a.done.wait(), b.done.wait())
     await s.idle()
     assert a.withdrawn and b.withdrawn and a.result is None and b.result is None
-    dropped = [d for _, drops in steps.log for d in drops]
-    assert sorted(dropped) == sorted([a.number, b.number])
+    assert len(steps.log) == 5, "the step in progress, then one call that drops them, then nothing"
+    starts, drops = steps.log[4]
+    assert starts == [] and sorted(drops) == sorted([a.number, b.number]), "both dropped at the next step"
+    assert [d for _, drops in steps.log[:4] for d in drops] == [], "neither left before it was told to"
     assert s.in_flight == 0 and steps.left == {}
