@@ -47,6 +47,7 @@ async def load_engine(settings: Settings) -> Engine:
         device=settings.device,
         max_sequences=settings.max_sequences,
         batch_slots=settings.batch_generate_slots,
+        decode=settings.decode,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,6 +64,12 @@ class Settings(BaseSettings):
         ge=1,
         description="CPU threads of one forward pass of the resident model (torch.set_num_threads); default: "
         "torch's, one per core. Fewer where other processes share the cores",
+    )
+    decode: Literal["slots", "transformers"] = Field(
+        "slots",
+        validation_alias=_env("MISERVER_DECODE"),
+        description="decode step of the resident model: slots (a static KV cache and a Llama forward over the "
+        "model's own weights, where the model is a plain Llama) or transformers (its own forward and cache)",
     )
     max_sequences: int = Field(
         24,
