@@ -71,6 +71,18 @@ class Settings(BaseSettings):
         description="decode step of the resident model: slots (a static KV cache and a Llama forward over the "
         "model's own weights, where the model is a plain Llama) or transformers (its own forward and cache)",
     )
+    decode_transposed: bool = Field(
+        False,
+        validation_alias=_env("MISERVER_DECODE_TRANSPOSED"),
+        description="the slots decode step keeps contiguous [in, out] copies of the projection weights (one more "
+        "copy of them in memory; faster one-row products with some BLAS libraries)",
+    )
+    compile: Literal["off", "on"] = Field(
+        "off",
+        validation_alias=_env("MISERVER_COMPILE"),
+        description="torch.compile the slots decode step (minutes at the first steps of a first start, the "
+        "artefacts then cached under MISERVER_CACHE_DIR/inductor; eager when compiling fails)",
+    )
     max_sequences: int = Field(
         24,
         validation_alias=_env("MISERVER_MAX_SEQUENCES"),

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from miserver.engines.local import slots as slots_module
 from miserver.engines.local.hf_cache import HFSlots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slots import SlotModel, make_slots, supported
+from miserver.engines.local.slots import DecodeOptions, SlotModel, make_slots, supported
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why", "a b c d e f g"]
 
@@ -47,18 +47,21 @@ def greedy(cache: SlotModel | HFSlots, slot: int, ids: torch.Tensor, steps: int)
 def test_the_tiny_model_is_covered(loaded: LoadedModel) -> None:
     assert supported(loaded.model)
     assert isinstance(make_slots(loaded.model, 512), SlotModel)
-    assert isinstance(make_slots(loaded.model, 512, "transformers"), HFSlots)
+    assert isinstance(make_slots(loaded.model, 512, DecodeOptions("transformers")), HFSlots)
     assert isinstance(make_slots(loaded.model, None), HFSlots)
+    copies = make_slots(loaded.model, 512, DecodeOptions(transposed=True))
+    assert isinstance(copies, SlotModel) and copies.transposed
 
 
-def test_greedy_equals_transformers_generate(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("transposed", [False, True])
+def test_greedy_equals_transformers_generate(loaded: LoadedModel, transposed: bool) -> None:
     model = loaded.model
     with torch.inference_mode():
         for text in PROMPTS:
             ids = ids_of(loaded, text)
             ref = model.generate(ids[None], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
             want = ref[0, len(ids) :].tolist()
-            got, logits = greedy(SlotModel(model, max_positions=512), 0, ids, 24)
+            got, logits = greedy(SlotModel(model, max_positions=512, transposed=transposed), 0, ids, 24)
             assert got == want, text
             _, hf_logits = greedy(HFSlots(model, max_positions=512), 0, ids, 24)
             assert torch.equal(logits[0], hf_logits[0])  # the prefill is transformers' own
@@ -149,3 +152,47 @@ def test_models_the_forward_does_not_cover_fall_back() -> None:
     assert isinstance(make_slots(scaled, 64), HFSlots)
     with pytest.raises(ValueError, match="does not cover"):
         SlotModel(scaled, max_positions=64)
+
+
+def test_transposed_copies_follow_weight_writes(loaded: LoadedModel) -> None:
+    weight = loaded.model.model.layers[0].mlp.down_proj.weight
+    kept = weight.detach().clone()
+    ids = ids_of(loaded, PROMPTS[0])
+    with torch.inference_mode():
+        cache = SlotModel(loaded.model, max_positions=512, transposed=True)
+        _, before = greedy(cache, 0, ids, 4)
+    try:
+        with torch.no_grad():
+            weight.mul_(3.0)
+        with torch.inference_mode():
+            _, written = greedy(cache, 0, ids, 4)
+            _, fresh = greedy(SlotModel(loaded.model, max_positions=512, transposed=True), 0, ids, 4)
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
+    assert not torch.allclose(before[1:], written[1:], atol=1e-4)
+    assert torch.equal(written, fresh)
+
+
+def test_a_failing_compiled_step_falls_back_to_eager(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    def broken(forward: object, **kwargs: object) -> object:
+        def run(*args: object) -> torch.Tensor:
+            calls.append(len(args))
+            raise RuntimeError("inductor failed")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    ids = ids_of(loaded, PROMPTS[2])
+    with torch.inference_mode():
+        want, want_logits = greedy(SlotModel(loaded.model, max_positions=512), 0, ids, 6)
+        cache = SlotModel(loaded.model, max_positions=512, compile=True)
+        assert cache._compiled is not None
+        got, logits = greedy(cache, 0, ids, 6)
+    assert calls == [9]  # tried once, then eager for good
+    assert cache._compiled is None and "decoding eager" in caplog.text
+    assert got == want and torch.equal(logits, want_logits)

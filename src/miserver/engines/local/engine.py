@@ -33,7 +33,7 @@ from miserver.engines.local.embed import pool_pack
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.scheduler import Group, StepScheduler, Ticket
 from miserver.engines.local.score import score_pack
-from miserver.engines.local.slots import DecodePath, make_slots
+from miserver.engines.local.slots import DEFAULT_DECODE, DecodeOptions, make_slots
 from miserver.engines.local.steps import Start, StepBatch, Update
 
 _T = TypeVar("_T")
@@ -55,8 +55,8 @@ class LocalEngine:
     ``score``, ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is called with each request at
     that moment (tests use both to prove work is not run twice). ``max_sequences`` caps the sequences in flight,
     ``batch_slots`` those of batch requests (interactive ones join above them, up to ``max_sequences``).
-    ``decode`` picks the decode step (``slots.make_slots``): ``"slots"``, the static-cache Llama forward where the
-    model allows it, or ``"transformers"``, transformers' own forward and cache.
+    ``decode`` picks the decode step (``slots.make_slots``): the static-cache Llama forward where the model allows
+    it (the default), or transformers' own forward and cache.
     """
 
     def __init__(
@@ -67,7 +67,7 @@ class LocalEngine:
         *,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
-        decode: DecodePath = "slots",
+        decode: DecodeOptions = DEFAULT_DECODE,
     ) -> None:
         self._loaded: LoadedModel | None = loaded
         self._executor = executor or _new_executor()
@@ -118,7 +118,7 @@ class LocalEngine:
         *,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
-        decode: DecodePath = "slots",
+        decode: DecodeOptions = DEFAULT_DECODE,
     ) -> LocalEngine:
         """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine.
 
@@ -144,7 +144,7 @@ class LocalEngine:
         *,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
-        decode: DecodePath = "slots",
+        decode: DecodeOptions = DEFAULT_DECODE,
     ) -> LocalEngine:
         """An engine over a model already in memory (tests)."""
         return cls(loaded, served_id, max_sequences=max_sequences, batch_slots=batch_slots, decode=decode)

@@ -20,9 +20,12 @@ Everything here is synchronous and runs under ``torch.inference_mode`` on the en
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -31,6 +34,9 @@ from transformers import PreTrainedModel
 
 from miserver.engines.local.generate import prefill
 from miserver.engines.local.hf_cache import HFSlots
+from miserver.engines.local.steps import Slots
+
+log = logging.getLogger(__name__)
 
 #: Columns of a fresh cache (grown by doubling up to the context length).
 INITIAL_CAPACITY = 256
@@ -58,7 +64,9 @@ def supported(model: PreTrainedModel) -> bool:
 
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's tensors (the model's own parameters); biases are None when the model has none."""
+    """One decoder layer's tensors. Projections are ``[in, out]`` matrices (``x @ m``): a transposed view of the
+    model's own ``[out, in]`` weight, or a contiguous copy of it (``transposed``); biases are None when the model has
+    none. Norm weights are the model's own."""
 
     norm_in: torch.Tensor
     q: torch.Tensor
@@ -79,10 +87,17 @@ class SlotModel:
     """Slots of sequences over a static KV cache, decoded by this module's Llama forward (see the module).
 
     ``model`` must satisfy :func:`supported` (else ``ValueError``). ``max_positions`` is the context length: a
-    prefill or decode past it raises ``ValueError``.
+    prefill or decode past it raises ``ValueError``. ``transposed`` keeps a contiguous ``[in, out]`` copy of every
+    projection and of the output head (one more copy of those weights in memory; faster one-row matrix products on
+    this CPU's BLAS); a copy is remade at the next step when its parameter changed (a weight write). ``compile``
+    runs the decode forward through ``torch.compile`` (dynamic shapes; compiled at the first steps of each new shape,
+    minutes on a small CPU, from inductor's cache at later starts); any failure of it is logged and the step runs
+    eager from then on.
     """
 
-    def __init__(self, model: PreTrainedModel, *, max_positions: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, max_positions: int, transposed: bool = False, compile: bool = False
+    ) -> None:
         if not supported(model):
             raise ValueError(f"the slot forward does not cover {type(model).__name__} ({model.config.model_type})")
         if max_positions < 1:
@@ -96,6 +111,14 @@ class SlotModel:
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.layers = len(model.model.layers)
+        self.transposed = transposed
+        self._norm = model.model.norm
+        self._norm_eps = float(model.model.norm.variance_epsilon)
+        #: the compiled forward (``compile``), or None: eager
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        if compile:
+            self._compiled = _compile(self._forward)
+        self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(param) -> (data_ptr, version, copy)
         device, dtype = model.device, model.dtype
         self.device, self.dtype = device, dtype
         rotary = model.model.rotary_emb
@@ -167,37 +190,62 @@ class SlotModel:
     # --- the forward ------------------------------------------------------------------------------------------------
 
     def _step(self, slots: list[int], tokens: list[int], lengths: list[int]) -> torch.Tensor:
-        """One decode step (see :meth:`decode`): ``[rows, vocab]`` float32 logits."""
+        """One decode step (see :meth:`decode`): ``[rows, vocab]`` float32 logits. Runs the compiled forward when
+        there is one; a compiled forward that fails is dropped (logged) and the step runs eager (the cache columns it
+        may have written are written again, with the same values)."""
         device = self.device
         lo, hi = min(slots), max(slots)
         rows = hi - lo + 1  # attention runs over the slot range lo..hi (the slots in it not decoded are ignored)
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         pos_t = torch.tensor(lengths, dtype=torch.long, device=device)
-        row_t = slot_t - lo
-        width = max(lengths) + 1
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
         # columns each row of the range attends to: its own length + 1 (one column for rows not decoded)
         seen = torch.ones(rows, dtype=torch.long, device=device)
-        seen[row_t] = pos_t + 1
-        hidden = self._embed(torch.tensor(tokens, dtype=torch.long, device=device))  # [B, hidden]
+        seen[slot_t - lo] = pos_t + 1
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+        args = (tokens_t, slot_t, pos_t, seen, lo, max(lengths) + 1, self._weights(), self._matrix(head.weight))
+        if self._compiled is not None:
+            try:
+                return self._compiled(*args, head.bias)
+            except Exception:
+                log.warning("the compiled decode step failed; decoding eager from now on", exc_info=True)
+                self._compiled = None
+        return self._forward(*args, head.bias)
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        slot_t: torch.Tensor,
+        pos_t: torch.Tensor,
+        seen: torch.Tensor,
+        lo: int,
+        width: int,
+        layers: list[_Layer],
+        head: torch.Tensor,
+        head_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decode forward of ``tokens`` (``[B]``) into the slots ``slot_t`` at positions ``pos_t`` (``[B]``),
+        attending over the slot range ``lo .. lo + len(seen) - 1``, row ``r`` to its first ``seen[r]`` columns, at
+        most ``width``; ``head`` is the ``[hidden, vocab]`` output matrix. Returns float32 logits ``[B, vocab]``."""
+        b = tokens.shape[0]
+        row_t = slot_t - lo
+        hidden = self._embed(tokens)  # [B, hidden]
         cos, sin = self._cos[pos_t], self._sin[pos_t]  # [B, head_dim]
-        mask = torch.arange(width, device=device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
-        for i, layer in enumerate(self._weights()):
+        mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
+        for i, layer in enumerate(layers):
             x = _rms_norm(hidden, layer.norm_in, self.eps)
-            q = F.linear(x, layer.q, layer.q_bias).view(len(slots), self.heads, self.head_dim)
-            k = F.linear(x, layer.k, layer.k_bias).view(len(slots), self.kv_heads, self.head_dim)
-            v = F.linear(x, layer.v, layer.v_bias).view(len(slots), self.kv_heads, self.head_dim)
+            q = _project(x, layer.q, layer.q_bias).view(b, self.heads, self.head_dim)
+            k = _project(x, layer.k, layer.k_bias).view(b, self.kv_heads, self.head_dim)
+            v = _project(x, layer.v, layer.v_bias).view(b, self.kv_heads, self.head_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self._keys[i][slot_t, :, pos_t] = k
             self._values[i][slot_t, :, pos_t] = v
-            attn = self._attend(i, q, row_t, lo, rows, width, mask)  # [B, heads * head_dim]
-            hidden = hidden + F.linear(attn, layer.o, layer.o_bias)
+            attn = self._attend(i, q, row_t, lo, seen.shape[0], width, mask)  # [B, heads * head_dim]
+            hidden = hidden + _project(attn, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, self.eps)
-            hidden = hidden + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
-        inner = self.model.model
-        hidden = _rms_norm(hidden, inner.norm.weight, float(inner.norm.variance_epsilon))
-        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        logits: torch.Tensor = head(hidden).float()
-        return logits
+            hidden = hidden + torch.matmul(F.silu(torch.matmul(x, layer.gate)) * torch.matmul(x, layer.up), layer.down)
+        hidden = _rms_norm(hidden, self._norm.weight, self._norm_eps)
+        return _project(hidden, head, head_bias).float()
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
@@ -223,27 +271,40 @@ class SlotModel:
 
     def _weights(self) -> list[_Layer]:
         """Each layer's tensors, read from the model now (weight edits replace or change them in place)."""
+        m = self._matrix
         out = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             out.append(
                 _Layer(
                     layer.input_layernorm.weight,
-                    attn.q_proj.weight,
+                    m(attn.q_proj.weight),
                     attn.q_proj.bias,
-                    attn.k_proj.weight,
+                    m(attn.k_proj.weight),
                     attn.k_proj.bias,
-                    attn.v_proj.weight,
+                    m(attn.v_proj.weight),
                     attn.v_proj.bias,
-                    attn.o_proj.weight,
+                    m(attn.o_proj.weight),
                     attn.o_proj.bias,
                     layer.post_attention_layernorm.weight,
-                    mlp.gate_proj.weight,
-                    mlp.up_proj.weight,
-                    mlp.down_proj.weight,
+                    m(mlp.gate_proj.weight),
+                    m(mlp.up_proj.weight),
+                    m(mlp.down_proj.weight),
                 )
             )
         return out
+
+    def _matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        """The ``[in, out]`` matrix of the ``[out, in]`` ``weight``: its transposed view, or (``transposed``) a
+        contiguous copy, remade when the parameter's storage or version changed since it was made."""
+        if not self.transposed or weight.is_inference():  # an inference tensor keeps no version to watch
+            return weight.t()
+        key = id(weight)
+        seen = self._copies.get(key)
+        if seen is None or seen[0] != weight.data_ptr() or seen[1] != weight._version:
+            seen = (weight.data_ptr(), weight._version, weight.detach().t().contiguous())
+            self._copies[key] = seen
+        return seen[2]
 
     # --- the cache --------------------------------------------------------------------------------------------------
 
@@ -267,6 +328,22 @@ class SlotModel:
         self._slots, self._capacity = slots, capacity
 
 
+def _compile(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
+    """``torch.compile(forward)`` with dynamic shapes, or None (logged) when compiling cannot even start."""
+    try:
+        compiled: Callable[..., torch.Tensor] = torch.compile(forward, dynamic=True)
+    except Exception:
+        log.warning("torch.compile is unavailable; the decode step runs eager", exc_info=True)
+        return None
+    return compiled
+
+
+def _project(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one."""
+    y = torch.matmul(x, matrix)
+    return y if bias is None else y + bias
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm of ``x`` (``[..., hidden]``), the operations of transformers' ``LlamaRMSNorm`` in order."""
     dtype = x.dtype
@@ -284,13 +361,31 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 DecodePath = Literal["slots", "transformers"]
-DECODE_PATHS: tuple[str, ...] = ("slots", "transformers")
 
 
-def make_slots(model: PreTrainedModel, max_positions: int | None, path: DecodePath = "slots") -> SlotModel | HFSlots:
-    """The step loop's cache for ``model``: a :class:`SlotModel` when ``path`` is ``"slots"``, the model is
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the step loop decodes: ``path`` ``"slots"`` (:class:`SlotModel` where :func:`supported`) or
+    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, ``transposed`` weight copies and ``compile``
+    (see :class:`SlotModel`), with inductor's compiled artefacts kept under ``compile_cache`` (None: inductor's
+    default folder) so that a later start compiles from the cache."""
+
+    path: DecodePath = "slots"
+    transposed: bool = False
+    compile: bool = False
+    compile_cache: Path | None = None
+
+
+#: The default: the slot forward, eager, on the model's own weights.
+DEFAULT_DECODE = DecodeOptions()
+
+
+def make_slots(model: PreTrainedModel, max_positions: int | None, options: DecodeOptions = DEFAULT_DECODE) -> Slots:
+    """The step loop's cache for ``model``: a :class:`SlotModel` when ``options.path`` is ``"slots"``, the model is
     :func:`supported` and its context length ``max_positions`` is known; transformers' own cache
     (``hf_cache.HFSlots``) otherwise."""
-    if path == "slots" and max_positions and supported(model):
-        return SlotModel(model, max_positions=max_positions)
+    if options.path == "slots" and max_positions and supported(model):
+        if options.compile and options.compile_cache is not None:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(options.compile_cache))
+        return SlotModel(model, max_positions=max_positions, transposed=options.transposed, compile=options.compile)
     return HFSlots(model, max_positions=max_positions)
