@@ -3,8 +3,9 @@
 
 Measured per variant, interleaved: each variant's sequence runs ``--block`` steps in turn, the order reversed every
 other block (ABBA), so a change of machine load hits every variant alike; each block's rate is printed with the load
-average, and the summary gives each variant's median over blocks and its median ratio to the first variant's block
-beside it (the machine may be shared: trust ratios, not absolute rates):
+average and the CPU time the process spent per token (every thread; far less sensitive to other processes than the
+wall time), and the summary gives each variant's medians over blocks and its median ratio to the first variant's
+block beside it (the machine may be shared: trust ratios and CPU time, not absolute rates):
 
 - ``single``: one sequence, ``--tokens`` greedy decode steps after a chat prompt (end of sequence ignored);
 - ``batch``: ``--rows`` sequences at different prompt lengths, ``--batch-steps`` decode steps of all of them, each
@@ -79,13 +80,13 @@ class Single:
         self.cache = cache
         self.tokens = [int(torch.argmax(cache.prefill(0, ids)))]
 
-    def run(self, steps: int) -> float:
-        """Tokens/s of ``steps`` more decode steps."""
-        start = time.perf_counter()
+    def run(self, steps: int) -> tuple[float, float]:
+        """Tokens/s of ``steps`` more decode steps, and the CPU milliseconds (every thread) per token."""
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             logits = self.cache.decode([0], [self.tokens[-1]])[0]
             self.tokens.append(int(torch.argmax(logits)))
-        return steps / (time.perf_counter() - start)
+        return steps / (time.perf_counter() - start), (time.process_time() - cpu) * 1000 / steps
 
 
 class Batch:
@@ -96,13 +97,14 @@ class Batch:
         self.slots = list(range(1, len(rows) + 1))
         self.tokens = [int(torch.argmax(cache.prefill(s, ids))) for s, ids in zip(self.slots, rows, strict=True)]
 
-    def run(self, steps: int) -> float:
-        """Tokens/s over every row of ``steps`` more decode steps."""
-        start = time.perf_counter()
+    def run(self, steps: int) -> tuple[float, float]:
+        """Tokens/s over every row of ``steps`` more decode steps, and the CPU milliseconds per token."""
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             logits = self.cache.decode(self.slots, self.tokens)
             self.tokens = [int(t) for t in torch.argmax(logits, dim=-1)]
-        return len(self.slots) * steps / (time.perf_counter() - start)
+        tokens = len(self.slots) * steps
+        return tokens / (time.perf_counter() - start), (time.process_time() - cpu) * 1000 / tokens
 
 
 async def engine_single(engine: LocalEngine, ids: list[int], tokens: int) -> float:
@@ -176,13 +178,31 @@ async def main() -> None:
         for name in order:
             with torch.inference_mode():
                 before = load()
-                rate = singles[name].run(args.block)
-                runs.append({"block": r, "variant": name, "what": "single", "tok_s": round(rate, 2), "load": before})
+                rate, cpu = singles[name].run(args.block)
+                runs.append(
+                    {
+                        "block": r,
+                        "variant": name,
+                        "what": "single",
+                        "tok_s": round(rate, 2),
+                        "cpu_ms": round(cpu, 2),
+                        "load": before,
+                    }
+                )
                 print(json.dumps(runs[-1]), flush=True)
                 if r < args.batch_steps // args.batch_block:
                     before = load()
-                    rate = batches[name].run(args.batch_block)
-                    runs.append({"block": r, "variant": name, "what": "batch", "tok_s": round(rate, 2), "load": before})
+                    rate, cpu = batches[name].run(args.batch_block)
+                    runs.append(
+                        {
+                            "block": r,
+                            "variant": name,
+                            "what": "batch",
+                            "tok_s": round(rate, 2),
+                            "cpu_ms": round(cpu, 2),
+                            "load": before,
+                        }
+                    )
                     print(json.dumps(runs[-1]), flush=True)
     reference = singles[variants[0]].tokens
     agreement = {
@@ -209,6 +229,9 @@ async def main() -> None:
                 "best_tok_s": round(max(got), 2),
                 "ratio_to_" + variants[0]: round(statistics.median(g / b for g, b in zip(got, ref, strict=True)), 2),
             }
+            cpu = [x["cpu_ms"] for x in runs if x["what"] == what and x["variant"] == name and "cpu_ms" in x]
+            if cpu:
+                summary[what][name]["median_cpu_ms_per_token"] = round(statistics.median(cpu), 2)
     info["load_average_at_end"] = os.getloadavg()
     print(json.dumps(summary, indent=2), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -366,17 +366,18 @@ DecodePath = Literal["slots", "transformers"]
 @dataclass(frozen=True)
 class DecodeOptions:
     """How the step loop decodes: ``path`` ``"slots"`` (:class:`SlotModel` where :func:`supported`) or
-    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, ``transposed`` weight copies and ``compile``
-    (see :class:`SlotModel`), with inductor's compiled artefacts kept under ``compile_cache`` (None: inductor's
-    default folder) so that a later start compiles from the cache."""
+    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, ``transposed`` weight copies (on the CPU only,
+    where they make one-row products faster; one more copy of the projections in memory) and ``compile`` (see
+    :class:`SlotModel`), with inductor's compiled artefacts kept under ``compile_cache`` (None: inductor's default
+    folder) so that a later start compiles from the cache."""
 
     path: DecodePath = "slots"
-    transposed: bool = False
+    transposed: bool = True
     compile: bool = False
     compile_cache: Path | None = None
 
 
-#: The default: the slot forward, eager, on the model's own weights.
+#: The default: the slot forward, eager, with transposed weight copies on the CPU.
 DEFAULT_DECODE = DecodeOptions()
 
 
