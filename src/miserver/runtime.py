@@ -35,6 +35,7 @@ async def load_engine(settings: Settings) -> Engine:
     """The resident engine for ``settings.model`` (imported lazily: torch is heavy), its forward passes on
     ``settings.torch_threads`` CPU threads when set."""
     from .engines.local.engine import LocalEngine
+    from .engines.local.slots import DecodeOptions
 
     if settings.torch_threads is not None:
         import torch
@@ -47,6 +48,12 @@ async def load_engine(settings: Settings) -> Engine:
         device=settings.device,
         max_sequences=settings.max_sequences,
         batch_slots=settings.batch_generate_slots,
+        decode=DecodeOptions(
+            settings.decode,
+            transposed=settings.decode_transposed,
+            compile=settings.compile == "on",
+            compile_cache=settings.cache_dir / "inductor",
+        ),
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,6 +64,24 @@ class Settings(BaseSettings):
         ge=1,
         description="CPU threads of one forward pass of the resident model (torch.set_num_threads); default: "
         "torch's, one per core. Fewer where other processes share the cores",
+    )
+    decode: Literal["slots", "transformers"] = Field(
+        "slots",
+        validation_alias=_env("MISERVER_DECODE"),
+        description="decode step of the resident model: slots (a static KV cache and a Llama forward over the "
+        "model's own weights, where the model is a plain Llama) or transformers (its own forward and cache)",
+    )
+    decode_transposed: bool = Field(
+        True,
+        validation_alias=_env("MISERVER_DECODE_TRANSPOSED"),
+        description="on the CPU, the slots decode step keeps contiguous [in, out] copies of the projection weights "
+        "and output head (one more copy of them in memory; about a quarter less CPU per token with MKL here)",
+    )
+    compile: Literal["off", "on"] = Field(
+        "off",
+        validation_alias=_env("MISERVER_COMPILE"),
+        description="torch.compile the slots decode step (minutes at the first steps of a first start, the "
+        "artefacts then cached under MISERVER_CACHE_DIR/inductor; eager when compiling fails)",
     )
     max_sequences: int = Field(
         24,

@@ -1,4 +1,5 @@
-"""Continuous batching in the local engine (``engines/local/batched.py``) on the tiny random Llama, float32, CPU.
+"""Continuous batching in the local engine (``engines/local/steps.py``) on the tiny random Llama, float32, CPU, over
+each step-loop cache (the slot forward and transformers' cache).
 
 Packed and single runs agree at temperature 0 (same tokens, text, finish reason and usage for every row; logprobs
 within float32 rounding); per-row seeds, stops and limits hold; a finished sequence's slot is refilled at once; a
@@ -16,6 +17,7 @@ import pytest
 from miserver.engines.base import Generated, GeneratesMany, GenerationRequest, GenerationResult, SamplingParams
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import load_model, resolve_model_source
+from miserver.engines.local.slots import DecodeOptions
 from miserver.engines.local.steps import Start, Update
 
 PROMPTS = [
@@ -28,10 +30,13 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
+@pytest.fixture(scope="module", params=["slots", "transformers"])
+def engine(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[LocalEngine]:
+    """The tiny model decoded by each step-loop cache in turn: the slot forward, and transformers' own cache."""
     loaded = load_model(resolve_model_source(str(tiny_model_dir), None), tmp_path_factory.mktemp("cache"), "cpu")
-    eng = LocalEngine.from_loaded(loaded, "tiny")
+    eng = LocalEngine.from_loaded(loaded, "tiny", decode=DecodeOptions(request.param))
     yield eng
     asyncio.run(eng.close())
 

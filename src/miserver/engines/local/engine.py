@@ -31,12 +31,12 @@ from miserver.engines.base import (
     Vector,
 )
 from miserver.engines.local.embed import pool_pack
-from miserver.engines.local.hf_cache import HFSlots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.processors import BACKEND as GRAMMAR_BACKEND
 from miserver.engines.local.processors import CacheStats, Grammars
 from miserver.engines.local.scheduler import Group, StepScheduler, Ticket
 from miserver.engines.local.score import score_pack
+from miserver.engines.local.slots import DEFAULT_DECODE, DecodeOptions, make_slots
 from miserver.engines.local.steps import Start, StepBatch, Update
 
 _T = TypeVar("_T")
@@ -58,6 +58,8 @@ class LocalEngine:
     ``score``, ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is called with each request at
     that moment (tests use both to prove work is not run twice). ``max_sequences`` caps the sequences in flight,
     ``batch_slots`` those of batch requests (interactive ones join above them, up to ``max_sequences``).
+    ``decode`` picks the decode step (``slots.make_slots``): the static-cache Llama forward where the model allows
+    it (the default), or transformers' own forward and cache.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class LocalEngine:
         *,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
+        decode: DecodeOptions = DEFAULT_DECODE,
     ) -> None:
         self._loaded: LoadedModel | None = loaded
         self._executor = executor or _new_executor()
@@ -94,7 +97,7 @@ class LocalEngine:
         self.generated_tokens = 0
         self.on_execute: Callable[[GenerationRequest | PoolRequest], None] | None = None
         self._steps = StepBatch(
-            HFSlots(loaded.model, max_positions=self.context_length or None),
+            make_slots(loaded.model, self.context_length or None, decode),
             loaded.tokenizer,
             loaded.model.device,
             eos_ids=self.eos_ids,
@@ -119,6 +122,7 @@ class LocalEngine:
         *,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
+        decode: DecodeOptions = DEFAULT_DECODE,
     ) -> LocalEngine:
         """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine.
 
@@ -132,7 +136,9 @@ class LocalEngine:
         except BaseException:
             executor.shutdown(wait=False, cancel_futures=True)
             raise
-        return cls(loaded, source.served_id, executor, max_sequences=max_sequences, batch_slots=batch_slots)
+        return cls(
+            loaded, source.served_id, executor, max_sequences=max_sequences, batch_slots=batch_slots, decode=decode
+        )
 
     @classmethod
     def from_loaded(
@@ -142,9 +148,10 @@ class LocalEngine:
         *,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
+        decode: DecodeOptions = DEFAULT_DECODE,
     ) -> LocalEngine:
         """An engine over a model already in memory (tests)."""
-        return cls(loaded, served_id, max_sequences=max_sequences, batch_slots=batch_slots)
+        return cls(loaded, served_id, max_sequences=max_sequences, batch_slots=batch_slots, decode=decode)
 
     @property
     def eos_ids(self) -> frozenset[int]:

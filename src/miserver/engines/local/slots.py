@@ -1,0 +1,392 @@
+"""Slots over a static KV cache and a Llama decode step written over the loaded model's own weights (gpt-fast style).
+
+:class:`SlotModel` is the step loop's cache (the ``steps.Slots`` protocol) for Llama-family models (see
+:func:`supported`). Keys and values live in one preallocated tensor per layer, ``[slots, kv_heads, capacity,
+head_dim]``; a slot's sequence occupies positions ``0 .. length - 1`` of its row, and a decode step writes one new
+column per slot in place (no concatenation, no merging, no padding): each slot attends to its own first ``length + 1``
+columns, whatever the lengths of the others. The cache grows (doubling, copied once) when a slot number or a position
+goes past what it holds, up to ``max_positions`` columns.
+
+A prompt is prefilled by transformers itself (``generate.prefill``: exactly the one-request prefill) and its keys and
+values are copied into the slot; only the decode step is this module's own forward: embedding, RMSNorm, rotary
+embedding, grouped-query attention over the static cache, SwiGLU MLP, final norm and output head, each read from the
+transformers model at every step (weight edits on the resident model are seen at once; nothing is copied). Its
+logits differ from transformers' in the last bits (another attention kernel), so greedy tokens agree with
+transformers for typical prompts but not bit for bit; within this forward, a slot decoded alone always computes the
+same bits.
+
+Everything here is synchronous and runs under ``torch.inference_mode`` on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from transformers import PreTrainedModel
+
+from miserver.engines.local.generate import prefill
+from miserver.engines.local.hf_cache import HFSlots
+from miserver.engines.local.steps import Slots
+
+log = logging.getLogger(__name__)
+
+#: Columns of a fresh cache (grown by doubling up to the context length).
+INITIAL_CAPACITY = 256
+#: Slots of a fresh cache (grown by doubling).
+INITIAL_SLOTS = 4
+
+
+def supported(model: PreTrainedModel) -> bool:
+    """Whether :class:`SlotModel`'s forward computes ``model``: a ``LlamaForCausalLM`` with SiLU MLP, default rotary
+    embedding (no scaling) and no sliding window."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    inner = getattr(model, "model", None)
+    return (
+        getattr(config, "model_type", None) == "llama"
+        and type(model).__name__ == "LlamaForCausalLM"
+        and getattr(config, "hidden_act", None) == "silu"
+        and rope.get("rope_type", "default") == "default"
+        and int(getattr(config, "pretraining_tp", 1) or 1) == 1
+        and inner is not None
+        and hasattr(inner, "rotary_emb")
+        and hasattr(inner, "layers")
+    )
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's tensors. Projections are ``[in, out]`` matrices (``x @ m``): a transposed view of the
+    model's own ``[out, in]`` weight, or a contiguous copy of it (``transposed``); biases are None when the model has
+    none. Norm weights are the model's own."""
+
+    norm_in: torch.Tensor
+    q: torch.Tensor
+    q_bias: torch.Tensor | None
+    k: torch.Tensor
+    k_bias: torch.Tensor | None
+    v: torch.Tensor
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    norm_post: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+class SlotModel:
+    """Slots of sequences over a static KV cache, decoded by this module's Llama forward (see the module).
+
+    ``model`` must satisfy :func:`supported` (else ``ValueError``). ``max_positions`` is the context length: a
+    prefill or decode past it raises ``ValueError``. ``transposed`` keeps a contiguous ``[in, out]`` copy of every
+    projection and of the output head (one more copy of those weights in memory; faster one-row matrix products on
+    this CPU's BLAS); a copy is remade at the next step when its parameter changed (a weight write). ``compile``
+    runs the decode forward through ``torch.compile`` (dynamic shapes; compiled at the first steps of each new shape,
+    minutes on a small CPU, from inductor's cache at later starts); any failure of it is logged and the step runs
+    eager from then on.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, *, max_positions: int, transposed: bool = False, compile: bool = False
+    ) -> None:
+        if not supported(model):
+            raise ValueError(f"the slot forward does not cover {type(model).__name__} ({model.config.model_type})")
+        if max_positions < 1:
+            raise ValueError("max_positions must be positive")
+        config = model.config
+        self.model = model
+        self.max_positions = max_positions
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.eps = float(config.rms_norm_eps)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.layers = len(model.model.layers)
+        self.transposed = transposed
+        self._norm = model.model.norm
+        self._norm_eps = float(model.model.norm.variance_epsilon)
+        #: the compiled forward (``compile``), or None: eager
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        if compile:
+            self._compiled = _compile(self._forward)
+        self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(param) -> (data_ptr, version, copy)
+        device, dtype = model.device, model.dtype
+        self.device, self.dtype = device, dtype
+        rotary = model.model.rotary_emb
+        # the rotary table of every position, computed as transformers computes one position (same float ops)
+        positions = torch.arange(max_positions, device=device).float()
+        freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = (emb.cos() * rotary.attention_scaling).to(dtype)  # [max_positions, head_dim]
+        self._sin = (emb.sin() * rotary.attention_scaling).to(dtype)
+        self._lengths: dict[int, int] = {}
+        self._capacity = min(INITIAL_CAPACITY, max_positions)
+        self._slots = INITIAL_SLOTS
+        self._keys = [self._empty(self._slots, self._capacity) for _ in range(self.layers)]
+        self._values = [self._empty(self._slots, self._capacity) for _ in range(self.layers)]
+
+    # --- the Slots protocol -----------------------------------------------------------------------------------------
+
+    def length(self, slot: int) -> int:
+        """Tokens in ``slot``'s cache. Raises ``KeyError`` for a slot that holds nothing."""
+        return self._lengths[slot]
+
+    def prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt ``ids`` (``[prompt_len]``, long, ``prompt_len >= 1``) into ``slot`` (its old content is
+        dropped); returns the float32 logits ``[vocab]`` of the last position (transformers' own prefill, bit for
+        bit). Raises ``ValueError`` for an empty prompt or one longer than ``max_positions``."""
+        n = int(ids.numel())
+        if n == 0:
+            raise ValueError("the prompt has no tokens")
+        if n > self.max_positions:
+            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_positions}")
+        self.release(slot)
+        logits, cache = prefill(self.model, ids)
+        self._reserve(slot, n)
+        for i, layer in enumerate(getattr(cache, "layers", [])):
+            keys, values = layer.keys, layer.values
+            assert keys is not None and values is not None  # [1, kv_heads, n, head_dim]
+            self._keys[i][slot, :, :n].copy_(keys[0])
+            self._values[i][slot, :, :n].copy_(values[0])
+        self._lengths[slot] = n
+        return logits
+
+    def fork(self, src: int, dst: int) -> None:
+        """``dst`` gets a copy of ``src``'s cache (the other samples of one prompt)."""
+        n = self._lengths[src]
+        self._reserve(dst, n)
+        for cache in (self._keys, self._values):
+            for layer in cache:
+                layer[dst, :, :n].copy_(layer[src, :, :n])
+        self._lengths[dst] = n
+
+    def release(self, slot: int) -> None:
+        """Forget ``slot``'s cache (nothing happens for an empty slot)."""
+        self._lengths.pop(slot, None)
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed ``tokens[i]`` after ``slots[i]``'s cache, every slot at its own next position, in one forward pass;
+        returns float32 logits ``[len(slots), vocab]`` and each slot grows by one token. Raises ``ValueError`` for a
+        slot already holding ``max_positions`` tokens, ``KeyError`` for an empty one."""
+        lengths = [self._lengths[s] for s in slots]
+        for slot, n in zip(slots, lengths, strict=True):
+            if n >= self.max_positions:
+                raise ValueError(f"slot {slot} is full: the context holds {self.max_positions} tokens")
+            self._reserve(slot, n + 1)
+        logits = self._step(list(slots), list(tokens), lengths)
+        for slot, n in zip(slots, lengths, strict=True):
+            self._lengths[slot] = n + 1
+        return logits
+
+    # --- the forward ------------------------------------------------------------------------------------------------
+
+    def _step(self, slots: list[int], tokens: list[int], lengths: list[int]) -> torch.Tensor:
+        """One decode step (see :meth:`decode`): ``[rows, vocab]`` float32 logits. Runs the compiled forward when
+        there is one; a compiled forward that fails is dropped (logged) and the step runs eager (the cache columns it
+        may have written are written again, with the same values)."""
+        device = self.device
+        lo, hi = min(slots), max(slots)
+        rows = hi - lo + 1  # attention runs over the slot range lo..hi (the slots in it not decoded are ignored)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        pos_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
+        # columns each row of the range attends to: its own length + 1 (one column for rows not decoded)
+        seen = torch.ones(rows, dtype=torch.long, device=device)
+        seen[slot_t - lo] = pos_t + 1
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+        args = (tokens_t, slot_t, pos_t, seen, lo, max(lengths) + 1, self._weights(), self._matrix(head.weight))
+        if self._compiled is not None:
+            try:
+                return self._compiled(*args, head.bias)
+            except Exception:
+                log.warning("the compiled decode step failed; decoding eager from now on", exc_info=True)
+                self._compiled = None
+        return self._forward(*args, head.bias)
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        slot_t: torch.Tensor,
+        pos_t: torch.Tensor,
+        seen: torch.Tensor,
+        lo: int,
+        width: int,
+        layers: list[_Layer],
+        head: torch.Tensor,
+        head_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decode forward of ``tokens`` (``[B]``) into the slots ``slot_t`` at positions ``pos_t`` (``[B]``),
+        attending over the slot range ``lo .. lo + len(seen) - 1``, row ``r`` to its first ``seen[r]`` columns, at
+        most ``width``; ``head`` is the ``[hidden, vocab]`` output matrix. Returns float32 logits ``[B, vocab]``."""
+        b = tokens.shape[0]
+        row_t = slot_t - lo
+        hidden = self._embed(tokens)  # [B, hidden]
+        cos, sin = self._cos[pos_t], self._sin[pos_t]  # [B, head_dim]
+        mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
+        for i, layer in enumerate(layers):
+            x = _rms_norm(hidden, layer.norm_in, self.eps)
+            q = _project(x, layer.q, layer.q_bias).view(b, self.heads, self.head_dim)
+            k = _project(x, layer.k, layer.k_bias).view(b, self.kv_heads, self.head_dim)
+            v = _project(x, layer.v, layer.v_bias).view(b, self.kv_heads, self.head_dim)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self._keys[i][slot_t, :, pos_t] = k
+            self._values[i][slot_t, :, pos_t] = v
+            attn = self._attend(i, q, row_t, lo, seen.shape[0], width, mask)  # [B, heads * head_dim]
+            hidden = hidden + _project(attn, layer.o, layer.o_bias)
+            x = _rms_norm(hidden, layer.norm_post, self.eps)
+            hidden = hidden + torch.matmul(F.silu(torch.matmul(x, layer.gate)) * torch.matmul(x, layer.up), layer.down)
+        hidden = _rms_norm(hidden, self._norm.weight, self._norm_eps)
+        return _project(hidden, head, head_bias).float()
+
+    def _attend(
+        self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Grouped-query attention of the queries ``q`` (``[B, heads, head_dim]``, rotated, of the range rows
+        ``row_t``) over layer ``i``'s cache columns ``0 .. width - 1`` of slots ``lo .. lo + rows - 1``, hidden
+        where ``mask`` (``[rows, width]``) is True; returns ``[B, heads * head_dim]``."""
+        group = self.heads // self.kv_heads
+        keys = self._keys[i][lo : lo + rows, :, :width]  # [rows, kv_heads, width, head_dim], a view
+        values = self._values[i][lo : lo + rows, :, :width]
+        full = q.new_zeros((rows, self.kv_heads, group, self.head_dim))
+        full[row_t] = q.view(-1, self.kv_heads, group, self.head_dim)
+        scores = torch.matmul(full, keys.transpose(-1, -2)) * self.scale  # [rows, kv_heads, group, width]
+        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values)  # [rows, kv_heads, group, head_dim]
+        return out[row_t].reshape(len(row_t), self.heads * self.head_dim)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.model.get_input_embeddings().weight
+        assert isinstance(table, torch.Tensor)
+        return F.embedding(tokens, table)
+
+    def _weights(self) -> list[_Layer]:
+        """Each layer's tensors, read from the model now (weight edits replace or change them in place)."""
+        m = self._matrix
+        out = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out.append(
+                _Layer(
+                    layer.input_layernorm.weight,
+                    m(attn.q_proj.weight),
+                    attn.q_proj.bias,
+                    m(attn.k_proj.weight),
+                    attn.k_proj.bias,
+                    m(attn.v_proj.weight),
+                    attn.v_proj.bias,
+                    m(attn.o_proj.weight),
+                    attn.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    m(mlp.gate_proj.weight),
+                    m(mlp.up_proj.weight),
+                    m(mlp.down_proj.weight),
+                )
+            )
+        return out
+
+    def _matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        """The ``[in, out]`` matrix of the ``[out, in]`` ``weight``: its transposed view, or (``transposed``) a
+        contiguous copy, remade when the parameter's storage or version changed since it was made."""
+        if not self.transposed or weight.is_inference():  # an inference tensor keeps no version to watch
+            return weight.t()
+        key = id(weight)
+        seen = self._copies.get(key)
+        if seen is None or seen[0] != weight.data_ptr() or seen[1] != weight._version:
+            seen = (weight.data_ptr(), weight._version, weight.detach().t().contiguous())
+            self._copies[key] = seen
+        return seen[2]
+
+    # --- the cache --------------------------------------------------------------------------------------------------
+
+    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
+        return torch.zeros((slots, self.kv_heads, capacity, self.head_dim), dtype=self.dtype, device=self.device)
+
+    def _reserve(self, slot: int, columns: int) -> None:
+        """Grow the cache (doubling) until it has row ``slot`` and ``columns`` columns."""
+        slots, capacity = self._slots, self._capacity
+        while slot >= slots:
+            slots *= 2
+        while columns > capacity:
+            capacity = min(capacity * 2, self.max_positions)
+        if (slots, capacity) == (self._slots, self._capacity):
+            return
+        for cache in (self._keys, self._values):
+            for i, old in enumerate(cache):
+                new = self._empty(slots, capacity)
+                new[: self._slots, :, : self._capacity].copy_(old)
+                cache[i] = new
+        self._slots, self._capacity = slots, capacity
+
+
+def _compile(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
+    """``torch.compile(forward)`` with dynamic shapes, or None (logged) when compiling cannot even start."""
+    try:
+        compiled: Callable[..., torch.Tensor] = torch.compile(forward, dynamic=True)
+    except Exception:
+        log.warning("torch.compile is unavailable; the decode step runs eager", exc_info=True)
+        return None
+    return compiled
+
+
+def _project(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one."""
+    y = torch.matmul(x, matrix)
+    return y if bias is None else y + bias
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of ``x`` (``[..., hidden]``), the operations of transformers' ``LlamaRMSNorm`` in order."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (``[B, heads, head_dim]``) at each row's position (``cos``, ``sin``: ``[B,
+    head_dim]``), as transformers' ``apply_rotary_pos_emb``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None, :]) + (rotated * sin[:, None, :])
+
+
+DecodePath = Literal["slots", "transformers"]
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the step loop decodes: ``path`` ``"slots"`` (:class:`SlotModel` where :func:`supported`) or
+    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, ``transposed`` weight copies (on the CPU only,
+    where they make one-row products faster; one more copy of the projections in memory) and ``compile`` (see
+    :class:`SlotModel`), with inductor's compiled artefacts kept under ``compile_cache`` (None: inductor's default
+    folder) so that a later start compiles from the cache."""
+
+    path: DecodePath = "slots"
+    transposed: bool = True
+    compile: bool = False
+    compile_cache: Path | None = None
+
+
+#: The default: the slot forward, eager, with transposed weight copies on the CPU.
+DEFAULT_DECODE = DecodeOptions()
+
+
+def make_slots(model: PreTrainedModel, max_positions: int | None, options: DecodeOptions = DEFAULT_DECODE) -> Slots:
+    """The step loop's cache for ``model``: a :class:`SlotModel` when ``options.path`` is ``"slots"``, the model is
+    :func:`supported` and its context length ``max_positions`` is known; transformers' own cache
+    (``hf_cache.HFSlots``) otherwise."""
+    if options.path == "slots" and max_positions and supported(model):
+        if options.compile and options.compile_cache is not None:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(options.compile_cache))
+        return SlotModel(model, max_positions=max_positions, transposed=options.transposed, compile=options.compile)
+    return HFSlots(model, max_positions=max_positions)

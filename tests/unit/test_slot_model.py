@@ -1,0 +1,199 @@
+"""The static-cache slot forward (``engines/local/slots.py``) on the tiny random Llama, float32, CPU.
+
+Greedy tokens equal transformers' ``generate`` token for token and logits stay within float32 rounding of
+transformers' forward; a slot decoded beside others at other lengths computes what it computes alone (within rounding),
+and alone always the same bits; fork, release, growth past the first capacity and the context limit hold; models the
+forward does not cover fall back to transformers' cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from miserver.engines.local import slots as slots_module
+from miserver.engines.local.hf_cache import HFSlots
+from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
+from miserver.engines.local.slots import DecodeOptions, SlotModel, make_slots, supported
+
+PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why", "a b c d e f g"]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoadedModel]:
+    with torch.inference_mode():
+        yield load_model(resolve_model_source(str(tiny_model_dir), None), tmp_path_factory.mktemp("cache"), "cpu")
+
+
+def ids_of(loaded: LoadedModel, text: str) -> torch.Tensor:
+    return torch.tensor(loaded.tokenizer(text)["input_ids"], dtype=torch.long)
+
+
+def greedy(cache: SlotModel | HFSlots, slot: int, ids: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
+    """``steps`` greedy tokens from ``ids`` in ``slot``; the tokens and the stacked logits ``[steps, vocab]``."""
+    logits = cache.prefill(slot, ids)
+    tokens, seen = [], []
+    for _ in range(steps):
+        seen.append(logits)
+        tokens.append(int(torch.argmax(logits)))
+        logits = cache.decode([slot], [tokens[-1]])[0]
+    return tokens, torch.stack(seen)
+
+
+def test_the_tiny_model_is_covered(loaded: LoadedModel) -> None:
+    assert supported(loaded.model)
+    default = make_slots(loaded.model, 512)
+    assert isinstance(default, SlotModel) and default.transposed  # the CPU default
+    assert isinstance(make_slots(loaded.model, 512, DecodeOptions("transformers")), HFSlots)
+    assert isinstance(make_slots(loaded.model, None), HFSlots)
+    views = make_slots(loaded.model, 512, DecodeOptions(transposed=False))
+    assert isinstance(views, SlotModel) and not views.transposed
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_greedy_equals_transformers_generate(loaded: LoadedModel, transposed: bool) -> None:
+    model = loaded.model
+    with torch.inference_mode():
+        for text in PROMPTS:
+            ids = ids_of(loaded, text)
+            ref = model.generate(ids[None], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+            want = ref[0, len(ids) :].tolist()
+            got, logits = greedy(SlotModel(model, max_positions=512, transposed=transposed), 0, ids, 24)
+            assert got == want, text
+            _, hf_logits = greedy(HFSlots(model, max_positions=512), 0, ids, 24)
+            assert torch.equal(logits[0], hf_logits[0])  # the prefill is transformers' own
+            assert torch.allclose(logits, hf_logits, atol=1e-4, rtol=0)
+
+
+def test_slots_at_other_lengths_decode_together(loaded: LoadedModel) -> None:
+    with torch.inference_mode():
+        cache = SlotModel(loaded.model, max_positions=512)
+        prompts = [ids_of(loaded, t) for t in PROMPTS[:3]]
+        order = [2, 0, 5]  # slot numbers out of order, with a gap (slots 1, 3, 4 hold nothing)
+        firsts = [int(torch.argmax(cache.prefill(s, p))) for s, p in zip(order, prompts, strict=True)]
+        together = [cache.decode(order, firsts)]
+        nexts = [int(t) for t in torch.argmax(together[0], dim=-1)]
+        together.append(cache.decode(order, nexts))
+        assert [cache.length(s) for s in order] == [len(p) + 2 for p in prompts]
+        for row, (p, first, nxt) in enumerate(zip(prompts, firsts, nexts, strict=True)):
+            alone = SlotModel(loaded.model, max_positions=512)
+            alone.prefill(0, p)
+            one = alone.decode([0], [first])[0]
+            two = alone.decode([0], [nxt])[0]
+            assert torch.allclose(one, together[0][row], atol=1e-5, rtol=0)
+            assert torch.allclose(two, together[1][row], atol=1e-5, rtol=0)
+
+
+def test_a_slot_alone_computes_the_same_bits_whatever_else_is_cached(loaded: LoadedModel) -> None:
+    with torch.inference_mode():
+        ids = ids_of(loaded, PROMPTS[1])
+        clean = SlotModel(loaded.model, max_positions=512)
+        _, first = greedy(clean, 0, ids, 8)
+        busy = SlotModel(loaded.model, max_positions=512)
+        for s, text in enumerate(PROMPTS):
+            busy.prefill(s, ids_of(loaded, text))
+        _, second = greedy(busy, 1, ids, 8)
+        assert torch.equal(first, second)
+
+
+def test_fork_release_and_growth(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slots_module, "INITIAL_CAPACITY", 8)
+    monkeypatch.setattr(slots_module, "INITIAL_SLOTS", 1)
+    with torch.inference_mode():
+        ids = ids_of(loaded, PROMPTS[0])
+        ref, ref_logits = greedy(SlotModel(loaded.model, max_positions=512), 0, ids, 20)
+        cache = SlotModel(loaded.model, max_positions=512)
+        assert cache._capacity == 8
+        logits = cache.prefill(0, ids)
+        cache.fork(0, 6)  # grows the slots
+        assert cache.length(6) == len(ids)
+        tokens = []
+        for _ in range(20):  # grows the columns past 8, twice
+            tokens.append(int(torch.argmax(logits)))
+            logits = cache.decode([6], [tokens[-1]])[0]
+        assert tokens == ref
+        assert cache._capacity >= len(ids) + 20 and cache._slots >= 7
+        cache.release(6)
+        cache.release(6)  # nothing held: no error
+        with pytest.raises(KeyError):
+            cache.length(6)
+        assert cache.length(0) == len(ids)
+
+
+def test_the_context_limit_and_empty_prompts(loaded: LoadedModel) -> None:
+    with torch.inference_mode():
+        cache = SlotModel(loaded.model, max_positions=6)
+        with pytest.raises(ValueError, match="no tokens"):
+            cache.prefill(0, torch.tensor([], dtype=torch.long))
+        with pytest.raises(ValueError, match="context holds 6"):
+            cache.prefill(0, torch.arange(7))
+        cache.prefill(0, torch.arange(5))
+        cache.decode([0], [1])
+        with pytest.raises(ValueError, match="full"):
+            cache.decode([0], [1])
+
+
+def test_models_the_forward_does_not_cover_fall_back() -> None:
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    scaled = LlamaForCausalLM(config)
+    assert not supported(scaled)
+    assert isinstance(make_slots(scaled, 64), HFSlots)
+    with pytest.raises(ValueError, match="does not cover"):
+        SlotModel(scaled, max_positions=64)
+
+
+def test_transposed_copies_follow_weight_writes(loaded: LoadedModel) -> None:
+    weight = loaded.model.model.layers[0].mlp.down_proj.weight
+    kept = weight.detach().clone()
+    ids = ids_of(loaded, PROMPTS[0])
+    with torch.inference_mode():
+        cache = SlotModel(loaded.model, max_positions=512, transposed=True)
+        _, before = greedy(cache, 0, ids, 4)
+    try:
+        with torch.no_grad():
+            weight.mul_(3.0)
+        with torch.inference_mode():
+            _, written = greedy(cache, 0, ids, 4)
+            _, fresh = greedy(SlotModel(loaded.model, max_positions=512, transposed=True), 0, ids, 4)
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
+    assert not torch.allclose(before[1:], written[1:], atol=1e-4)
+    assert torch.equal(written, fresh)
+
+
+def test_a_failing_compiled_step_falls_back_to_eager(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    def broken(forward: object, **kwargs: object) -> object:
+        def run(*args: object) -> torch.Tensor:
+            calls.append(len(args))
+            raise RuntimeError("inductor failed")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    ids = ids_of(loaded, PROMPTS[2])
+    with torch.inference_mode():
+        want, want_logits = greedy(SlotModel(loaded.model, max_positions=512), 0, ids, 6)
+        cache = SlotModel(loaded.model, max_positions=512, compile=True)
+        assert cache._compiled is not None
+        got, logits = greedy(cache, 0, ids, 6)
+    assert calls == [9]  # tried once, then eager for good
+    assert cache._compiled is None and "decoding eager" in caplog.text
+    assert got == want and torch.equal(logits, want_logits)
