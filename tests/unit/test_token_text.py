@@ -7,14 +7,20 @@
   completions ``top_logprobs`` dicts keep one key per token; ``tokens`` join to ``text``;
 - ``usage`` carries OpenAI's detail objects;
 - incremental detokenisation goes through ``tokenizers.decoders.DecodeStream`` (no full decode per token).
+
+The scripted tests steer the logits with forward hooks on transformers' model, so this module's engine decodes
+through transformers' forward (``MISERVER_DECODE=transformers``); the text and accounting rules tested here sit
+after the forward and are the same for either decode path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -26,11 +32,24 @@ from miserver.engines.base import GenerationRequest, SamplingParams, TokenLogpro
 from miserver.engines.local.detokenize import TextStream, _Output, text_pieces, token_texts
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.generate import logprobs_of
+from miserver.engines.local.slots import DecodeOptions
 from miserver.scheduling.admission import AdmissionGate, Priority
 from miserver.services.inference import chat, completions
 from miserver.services.inference.context import Call, ServiceContext, ServiceResult, StreamResult
 from miserver.settings import EMBEDDED_MODEL_ID
 from tests.support.tiny_model import default_cache_dir
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
+    """The tiny model decoding through transformers' forward (hooks on it see every step)."""
+    decode = DecodeOptions(path="transformers")
+    eng = asyncio.run(
+        LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu", decode=decode)
+    )
+    yield eng
+    asyncio.run(eng.close())
+
 
 JAPANESE = "ありがとう、日本語 😀 héllo"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
