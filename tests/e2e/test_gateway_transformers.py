@@ -24,8 +24,9 @@ from openai.types.chat import ChatCompletion
 
 from miserver.engines.upstream.errors import normalize_error
 from miserver.process import ServerProcess, free_port, wait_for
-from tests.support.batches import api_error, chat_body, error_of, jsonl, line, read_lines, submit, wait_terminal
+from tests.support.batches import api_error, chat_body, error_of
 from tests.support.engines import EngineProcess, transformers_serve
+from tests.support.gateway_journey import batch_of_20, killed_mid_batch
 from tests.support.server import tiny_server_process
 
 MODEL = "smollm2"
@@ -160,56 +161,21 @@ def test_the_engines_error_answers_come_back_in_openais_envelope(
 
 
 def test_a_batch_of_20_runs_every_row_once_in_order_with_its_usage(stack: Stack, client: openai.OpenAI) -> None:
-    # row i's prompt is i tokens longer than row 0's: each output line's prompt_tokens says which row it answers
-    rows = [
-        line(f"r{i:02d}", chat_body("Say hi." + " a" * i, model=MODEL, max_tokens=1, temperature=0)) for i in range(20)
-    ]
-    before = stack.received()
-    done = wait_terminal(client, submit(client, jsonl(rows)).id, timeout=240)
-    assert done.status == "completed", done.errors
-    assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (20, 0)
-    out = read_lines(client, done.output_file_id)
-    assert [x["custom_id"] for x in out] == [f"r{i:02d}" for i in range(20)]
-    usages = [x["response"]["body"]["usage"] for x in out]
-    assert [u["prompt_tokens"] - usages[0]["prompt_tokens"] for u in usages] == list(range(20))
-    assert all(u["completion_tokens"] == 1 for u in usages)
-    assert {x["response"]["millm"]["headers"]["X-miLLM-Backend"] for x in out} == {f"upstream:{ENGINE}"}
-    assert done.usage is not None
-    assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usages)
-    assert done.usage.output_tokens == 20
-    assert stack.received() - before == 20  # each row sent once: nothing failed, so nothing was retried
+    batch_of_20(client, MODEL, f"upstream:{ENGINE}", stack.received)
 
 
 def test_the_engine_killed_mid_batch_loses_no_row_and_records_none_twice(
     stack: Stack, client: openai.OpenAI, tiny_model_dir: Path
 ) -> None:
-    rows = [line(f"k{i:02d}", chat_body(f"Row {i}.", model=MODEL, max_tokens=2, temperature=0)) for i in range(12)]
-    before = stack.received()
-    batch = submit(client, jsonl(rows))
-
-    def recorded() -> int:
-        counts = client.batches.retrieve(batch.id).request_counts
-        return counts.completed if counts is not None else 0
-
-    # kill it once rows are recorded and more are in flight on it (received, not yet answered)
-    wait_for(lambda: (n := recorded()) >= 2 and stack.received() - before > n, timeout=120)
-    stack.engine.kill9()
-    takeover = tiny_server_process(
-        tiny_model_dir, stack.root / "takeover", served_model_name=MODEL, port=stack.takeover_port
+    root = stack.root / "takeover"
+    takeover = tiny_server_process(tiny_model_dir, root, served_model_name=MODEL, port=stack.takeover_port)
+    killed_mid_batch(
+        client,
+        MODEL,
+        stack.engine,
+        f"upstream:{ENGINE}",
+        stack.received,
+        takeover,
+        f"upstream:{TAKEOVER}",
+        root / "executions.log",
     )
-    with takeover:
-        done = wait_terminal(client, batch.id, timeout=180)
-        executed = (stack.root / "takeover" / "executions.log").read_text().split()  # a prompt digest per row run
-        after = client.chat.completions.with_raw_response.create(**chat_body("still there?", model=MODEL))
-        assert after.headers["x-millm-backend"] == f"upstream:{TAKEOVER}"
-    assert done.status == "completed", done.errors
-    assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (12, 0)
-    out = read_lines(client, done.output_file_id)
-    assert [x["custom_id"] for x in out] == [f"k{i:02d}" for i in range(12)]  # every row, once, in input order
-    backends = [x["response"]["millm"]["headers"]["X-miLLM-Backend"] for x in out]
-    by_engine = backends.count(f"upstream:{ENGINE}")
-    assert by_engine >= 2 and backends.count(f"upstream:{TAKEOVER}") == 12 - by_engine >= 1
-    # the takeover ran each row the engine had not answered once (those in flight at the kill included)
-    assert len(executed) == len(set(executed)) == 12 - by_engine
-    usages = [x["response"]["body"]["usage"] for x in out]
-    assert done.usage is not None and done.usage.output_tokens == sum(u["completion_tokens"] for u in usages)

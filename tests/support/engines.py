@@ -108,7 +108,9 @@ def transformers_serve(model_id: str, root: Path, *, cache_dir: Path | None = No
 
     ``root`` gets a link named ``model_id`` to the converted folder (the server is started in ``root`` and names
     its model by the path it was given) and the log ``transformers-serve.log``. CPU, no continuous batching (one
-    request generates at a time, the others wait in the engine), offline (``HF_HUB_OFFLINE=1``).
+    request generates at a time, the others wait in the engine), offline (``HF_HUB_OFFLINE=1``), one torch thread:
+    with two, their spin-waits collapse on cores the rest of the suite keeps busy (measured under load 9 on 2
+    cores: a one-token chat 20-30 s with the default threads, 3.5 s with one).
     """
     root.mkdir(parents=True, exist_ok=True)
     link = root / model_id
@@ -118,7 +120,7 @@ def transformers_serve(model_id: str, root: Path, *, cache_dir: Path | None = No
     launcher = "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; main()"
     cmd = [sys.executable, "-c", launcher, "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
     cmd += [model_id]
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(root / "hf-home")}
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(root / "hf-home"), "OMP_NUM_THREADS": "1"}
     return EngineProcess("transformers serve", cmd, root / "transformers-serve.log", cwd=root, env=env, port=port)
 
 
@@ -140,13 +142,13 @@ def find_llama_server() -> tuple[Path | None, str]:
     )
 
 
-def llama_server(binary: Path, root: Path, *, parallel: int = 4) -> EngineProcess:
+def llama_server(binary: Path, root: Path, *, alias: str, parallel: int = 4) -> EngineProcess:
     """A (not yet started) ``llama-server`` on the embedded GGUF file with ``parallel`` slots (2 threads, 4096
-    tokens of context shared by the slots), its log ``root/llama-server.log``. It lists the model by the file's
-    path and answers any ``model`` name."""
+    tokens of context shared by the slots), its log ``root/llama-server.log``. It lists the model as ``alias``
+    and answers any ``model`` name."""
     port = free_port()
-    cmd = [str(binary), "-m", str(embedded_gguf_path()), "-t", "2", "-tb", "2", "-np", str(parallel), "-c", "4096"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd = [str(binary), "-m", str(embedded_gguf_path()), "--alias", alias, "-t", "2", "-tb", "2"]
+    cmd += ["-np", str(parallel), "-c", "4096", "--host", "127.0.0.1", "--port", str(port)]
     # passive waiting: spinning threads collapse on a machine busy with the rest of the suite
     env = {"OMP_WAIT_POLICY": "PASSIVE"}
     return EngineProcess("llama-server", cmd, root / "llama-server.log", cwd=root, env=env, port=port)
