@@ -107,7 +107,12 @@ def test_the_engine_is_discovered_and_its_chat_answer_relayed(client: openai.Ope
     assert answer.model == MODEL
     assert "Paris" in (answer.choices[0].message.content or "")
     assert answer.choices[0].message.content == expected.choices[0].message.content
-    assert answer.usage == expected.usage
+    assert answer.usage is not None and expected.usage is not None
+    # the same counts (the details differ: the second asking of a prompt finds it in llama.cpp's prompt cache)
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
+        expected.usage.prompt_tokens,
+        expected.usage.completion_tokens,
+    )
 
 
 def test_a_text_completion_is_relayed(client: openai.OpenAI, direct: openai.OpenAI) -> None:
@@ -116,7 +121,8 @@ def test_a_text_completion_is_relayed(client: openai.OpenAI, direct: openai.Open
     assert via.headers["x-millm-backend"] == f"upstream:{ENGINE}"
     got, want = via.parse(), direct.completions.create(**body)
     assert got.choices[0].text == want.choices[0].text and "Paris" in got.choices[0].text
-    assert got.usage is not None and got.usage == want.usage
+    assert got.usage is not None and want.usage is not None
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want.usage.prompt_tokens, 5)
 
 
 def test_a_stream_is_relayed_event_by_event(client: openai.OpenAI, expected: ChatCompletion) -> None:
@@ -134,17 +140,17 @@ def test_a_stream_is_relayed_event_by_event(client: openai.OpenAI, expected: Cha
 def test_the_engines_error_answer_comes_back_in_openais_envelope(
     stack: Stack, client: openai.OpenAI, direct: openai.OpenAI
 ) -> None:
-    # a parameter llama.cpp refuses: its envelope is OpenAI's with a numeric code, which becomes null
-    bad: dict[str, Any] = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "echo": True}
-    own = api_error(direct.completions.create, **bad)
+    # a prompt longer than a slot's context (4096 tokens over 4 slots): llama.cpp refuses it in OpenAI's envelope
+    # with a numeric code, which becomes null
+    bad = chat_body("a " * 1500, model=MODEL, max_tokens=2)
+    own = api_error(direct.chat.completions.create, **bad)
     assert isinstance(own.body, dict) and isinstance(own.body.get("code"), int), own.body
-    relayed = api_error(client.completions.create, **bad)
+    relayed = api_error(client.chat.completions.create, **bad)
     assert relayed.status_code == own.status_code == 400
     assert error_of(relayed) == {"message": own.body["message"], "type": own.body["type"], "param": None, "code": None}
     # the same parameter in a batch line: the row's error line carries that envelope, the other row runs
-    good = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
-    rows = [line("bad", bad, url="/v1/completions"), line("good", good, url="/v1/completions")]
-    done = wait_terminal(client, submit(client, jsonl(rows), endpoint="/v1/completions").id)
+    rows = [line("bad", bad), line("good", chat_body(QUESTION, model=MODEL, max_tokens=2))]
+    done = wait_terminal(client, submit(client, jsonl(rows)).id)
     assert done.status == "completed" and done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
     [failed] = read_lines(client, done.error_file_id)
