@@ -1,5 +1,12 @@
 """A small real OpenAI-compatible HTTP server for gateway tests and benchmarks: run as a module.
 
+It is kept for what a real engine cannot be made to do on demand: answer 503 a set number of times in each engine's
+error dialect, hang or answer late, cut a stream, send an error chunk inside a 200 stream, drop a connection at the
+moment it is reused, and answer instantly with a fixed text so that tests can count rows sent and resent. The
+gateway's ordinary journey (chat, completions, streams, batches, error envelopes, an engine killed mid-batch) runs
+against real engines: ``transformers serve`` in ``tests/e2e/test_gateway_transformers.py`` (every run) and
+``llama-server`` in ``tests/e2e/test_gateway_llamacpp.py`` (when a binary is found).
+
 It answers ``GET /v1/models`` and ``POST /v1/chat/completions`` with a fixed answer after ``--delay`` seconds (one
 thread per connection, so requests really overlap), and can misbehave on purpose: ``--fail-first N`` answers the
 first N completions with 503 and ``Retry-After: 0`` (then recovers), ``--cut-stream`` sends two chunks of a stream and

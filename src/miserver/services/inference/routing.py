@@ -206,6 +206,18 @@ def _delivered_tokens(payload: dict[str, Any]) -> int:
     return count
 
 
+def _track_choices(payload: dict[str, Any], started: set[Any], finished: set[Any]) -> None:
+    """Add the ``index`` of each choice of a stream chunk to ``started``, and to ``finished`` when it carries a
+    ``finish_reason``."""
+    choices = payload.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        if isinstance(choice, dict):
+            index = choice.get("index", 0)
+            started.add(index)
+            if choice.get("finish_reason"):
+                finished.add(index)
+
+
 async def _relay(
     answer: Answer,
     model: str,
@@ -217,7 +229,9 @@ async def _relay(
 ) -> AsyncIterator[str]:
     """The upstream's ``data:`` payloads with ``model`` rewritten; an error chunk is passed on in OpenAI's envelope
     and ends the stream, and a stream that ends (or breaks) before ``[DONE]`` ends with an
-    ``upstream_stream_cut`` error event: neither reads as a finished answer.
+    ``upstream_stream_cut`` error event: neither reads as a finished answer. A stream that ends without ``[DONE]``
+    once every choice it started has its ``finish_reason`` (``transformers serve`` never sends the terminator) is
+    finished: the relay ends it with ``[DONE]``.
 
     The usage the upstream reports is kept in ``counted`` (for billing); with ``hide_usage`` (the client did not ask
     for ``stream_options.include_usage``, which was asked of the upstream for it) the usage-only chunk is not passed
@@ -229,6 +243,8 @@ async def _relay(
     name = answer.upstream.name
     delivered = 0
     reported = False
+    started: set[Any] = set()  # choice indices seen, and those with a finish_reason
+    finished: set[Any] = set()
     try:
         async for line in answer.response.aiter_lines():
             if not line.startswith("data:"):
@@ -252,6 +268,7 @@ async def _relay(
                 if "model" in payload:
                     payload["model"] = model
                 delivered += _delivered_tokens(payload)
+                _track_choices(payload, started, finished)
                 usage = payload.get("usage")
                 if isinstance(usage, dict):
                     reported = True
@@ -263,6 +280,9 @@ async def _relay(
                 elif not reported:
                     counted.progress(prompt_tokens, delivered)
             yield json.dumps(payload)
+        if started and started == finished:
+            yield "[DONE]"
+            return
         yield _error_event(f"The upstream '{name}' closed the stream before it finished.", "upstream_stream_cut")
     except (httpx.HTTPError, TimeoutError) as exc:
         log.warning("stream from upstream %s cut: %r", name, exc)
