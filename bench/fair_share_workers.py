@@ -9,10 +9,11 @@ server's create would: the file, then the batch in ``validating``), so no third 
 The small tenant's finish time is the time from its batches' creation to the last one's end (polled every 0.1 s).
 It is measured alone and beside the large tenant's batch (created first; the small batches come once it has recorded
 16 rows; it is cancelled after, and ends before the next measurement), in the order alone, beside, alone, beside
-(``--pairs`` pairs) in one run, with the load average before each measurement. Prints each pair's ratio (beside
-over alone; the goal: at most 2x) and writes the numbers to ``bench/results/fair_share_workers.json``
-(git-ignored). PostgreSQL on 127.0.0.1:5432 with trust authentication (``MISERVER_TEST_PG`` overrides the server
-URL). Example::
+(``--pairs`` pairs, after one uncounted warm-up alone) in one run, with the load average before each measurement.
+Prints each pair's ratio (beside over alone; the goal: at most 2x) and the large tenant's rows recorded meanwhile
+(fair: about the small tenant's rows, less its head start), and writes the numbers to
+``bench/results/fair_share_workers.json`` (git-ignored). PostgreSQL on 127.0.0.1:5432 with trust authentication
+(``MISERVER_TEST_PG`` overrides the server URL). Example::
 
     nice .venv/bin/python bench/fair_share_workers.py
     nice .venv/bin/python bench/fair_share_workers.py --pairs 1 --large-rows 400
@@ -164,6 +165,8 @@ async def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     store = await Store.open(url)
     try:
         await add_keys(store)
+        warm = await measure(store, args, beside=False, tag="warmup")  # each worker's first chunks are slow
+        print(f"warm-up (not counted): small tenant alone: {warm['small_seconds']:.1f} s", flush=True)
         results = []
         for pair in range(args.pairs):
             for beside in (False, True):
