@@ -1,7 +1,9 @@
 """Chunks of batches on the resident model: claim a chunk of rows (or a packing window), take one admission slot at
 batch priority, check that the batch's model is still resident and its weights unchanged, run the rows through the
 one row loop (:func:`~miserver.batches.chunks.run_chunk`) under the claim's heartbeat, release the claim, and fold
-the chunk into the measured rate (the ETA) and the ``batch.progress`` webhooks.
+the chunk into the measured rate (the ETA) and the ``batch.progress`` webhooks. The claim charges its rows to the
+batch's fair share in the database, and the release takes back the rows it gives back unrecorded
+(:mod:`~miserver.store.fair_share`), so every worker's next plan sees the chunk.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from ..clock import now, now_ms
 from ..scheduling.admission import Priority, Slot
 from ..services.accounts import keys as accounts
 from ..services.inference.registry import SERVICES
+from ..store import fair_share as store_fair
 from ..store import operations as store_operations
 from ..store import outbox
 from ..store import rows as store_rows
@@ -24,7 +27,7 @@ from .run_state import RunState, finalize_if_recorded
 
 class ResidentRuns:
     """The resident chunks of one runner. ``last_chunk_rows`` and ``last_chunk_seconds``: rows recorded by, and
-    seconds of, the last chunk (fair share and the batch share read them)."""
+    seconds of, the last chunk (the batch share reads them)."""
 
     def __init__(self, state: RunState) -> None:
         self.state = state
@@ -33,6 +36,7 @@ class ResidentRuns:
 
     async def claim_and_run(self, batch: BatchRecord, ready: Readiness) -> bool:
         token = secrets.token_hex(16)
+        owner = store_fair.owner_key(batch.owner_key_id, batch.id)
         async with self.state.store.tx() as conn:
             claimed = await store_rows.claim(
                 conn,
@@ -44,7 +48,9 @@ class ResidentRuns:
                 ttl_ms=self.state.claim_ttl_ms,
                 skip_locked=self.state.store.skip_locked,
             )
-            if not claimed and not await finalize_if_recorded(conn, batch.id):
+            if claimed:  # ShareNotKept (the batch left in_progress under the plan) rolls the claim back
+                await store_fair.charge(conn, owner=owner, batch_id=batch.id, rows=len(claimed))
+            elif not await finalize_if_recorded(conn, batch.id):
                 return False  # another worker holds the remaining rows
         if not claimed:
             self.state.on_change(batch.id)
@@ -70,7 +76,9 @@ class ResidentRuns:
                 await self._measured(batch, report, time.monotonic() - started)
         finally:
             async with self.state.store.tx() as conn:
-                await store_rows.release_claim(conn, batch_id=batch.id, token=token)
+                released = await store_rows.release_claim(conn, batch_id=batch.id, token=token)
+                if released:
+                    await store_fair.give_back(conn, owner=owner, batch_id=batch.id, rows=released)
         return True
 
     async def _chunk(

@@ -29,6 +29,7 @@ from ..settings import Settings
 from ..store import Store
 from ..store import batch_states as states
 from ..store import batches as store_batches
+from ..store import fair_share as store_fair
 from ..store import keys as store_keys
 from ..store import model_life as store_models
 from ..store import operations as store_operations
@@ -85,15 +86,17 @@ class BatchRunner:
         self._validations: dict[str, asyncio.Task[None]] = {}
         #: Chunks of batches whose rows go to upstream pools (gateway mode), run as tasks beside each other.
         self.upstream = UpstreamRuns(self.state)
-        #: The scheduling policy's inputs: batch hours, the deadline margin, rows served per owner, the
-        #: clock (Unix seconds; miServer's injectable clock), and when interactive requests were last admitted.
+        #: The scheduling policy's inputs: batch hours, the deadline margin, a newcomer's head start in fair share
+        #: per worker running chunks (rows: two chunks; the counts themselves are the database's, shared by every
+        #: worker), the clock (Unix seconds; miServer's injectable clock), and when interactive requests were last
+        #: admitted.
         self.hours = scheduling.BatchHours.parse(settings.batch_hours, settings.batch_hours_timezone)
         self.margin = scheduling.Margin(fraction=settings.batch_deadline_margin)
-        self.fair = scheduling.FairShare(credit_rows=2 * settings.batch_chunk_rows)
+        self.credit_rows = 2 * settings.batch_chunk_rows
         self.clock: Callable[[], float] = lambda: now_ms() / 1000
         self._interactive_seen: tuple[int, float] = (0, float("-inf"))
         self._halt = asyncio.Event()
-        #: Chunks of batches on the resident model, one at a time (their last chunk feeds fair share and the share).
+        #: Chunks of batches on the resident model, one at a time (their last chunk feeds the batch share).
         self.resident = ResidentRuns(self.state)
 
     def wake(self) -> None:
@@ -175,26 +178,16 @@ class BatchRunner:
             pending = await store_operations.pending_by_batch(conn, [b.id for b in running])
             rates = await store_operations.rates(conn)
         by_id = {b.id: b for b in running}
-        candidates = [
-            scheduling.Candidate(
-                id=b.id,
-                priority=b.priority,
-                created_at=b.created_at,
-                expires_at=b.expires_at,
-                pending=pending.get(b.id, 0),
-                owner=b.owner_key_id or b.id,
-                paused=b.paused_at is not None,
-            )
-            for b in running
-        ]
+        candidates = [_candidate(b, pending.get(b.id, 0)) for b in running]
 
         def rate_of(c: scheduling.Candidate) -> float | None:
             b = by_id[c.id]
             rate = rates.get((b.model or "", b.endpoint))
             return rate.rows_per_second if rate is not None else None
 
+        fair = await self._fair_share(candidates)
         decision = scheduling.plan(
-            candidates, now=self.clock(), rate_of=rate_of, fair=self.fair, hours=self.hours, margin=self.margin
+            candidates, now=self.clock(), rate_of=rate_of, fair=fair, hours=self.hours, margin=self.margin
         )
         await self._store_estimates(running, decision, pending)
         for batch_id, reason in decision.waiting.items():
@@ -208,15 +201,36 @@ class BatchRunner:
             batch = by_id[batch_id]
             if batch_id in upstream:
                 continue
-            if await self._advance_running(batch, take_over=True):
-                candidate = next(c for c in candidates if c.id == batch_id)
+            if await self._advance_running(batch, take_over=True):  # its claim charged its fair share
                 for other in decision.order:
                     if other != batch_id and other in decision.queued:
                         await self.state.set_waiting(by_id[other], "queued", None)
-                self.fair.charge(candidate, self.resident.last_chunk_rows)
                 await self._yield_share()
                 return True
         return busy
+
+    async def _fair_share(self, candidates: list[scheduling.Candidate]) -> scheduling.FairShare:
+        """The fair-share counts every worker on the database shares (:mod:`~miserver.store.fair_share`), with the
+        newcomers among ``candidates`` admitted and the entries of owners and batches no longer ``in_progress``
+        dropped. A newcomer's head start over the least-served owner is :attr:`credit_rows` for each worker running
+        chunks now (this one and those holding claims): two chunks of the whole fleet's time, as one runner gives
+        two of its engine's. A newcomer that another worker admitted first keeps that worker's count."""
+        async with self.store.tx() as conn:
+            await store_fair.forget_departed(conn)
+            workers = await store_fair.claiming_workers(conn, now_ms=now_ms()) | {self.worker_id}
+            credit = self.credit_rows * len(workers)
+            stored = await store_fair.read(conn)
+            fair = _fair_of(stored, credit)
+            new = fair.admit(candidates)
+            if new.owners or new.batches:
+                written = await store_fair.admit(
+                    conn,
+                    owners={k: int(v) for k, v in new.owners.items()},
+                    batches={k: int(v) for k, v in new.batches.items()},
+                )
+                if written < len(new.owners) + len(new.batches):  # another worker was first: read its counts
+                    fair = _fair_of(await store_fair.read(conn), credit)
+        return fair
 
     async def _store_estimates(
         self, running: list[BatchRecord], decision: scheduling.Decision, pending: dict[str, int]
@@ -307,6 +321,7 @@ class BatchRunner:
         if batch.status == "finalizing":
             return await self._finish(batch, "completed", None)
         if batch.status == "in_progress":
+            await self._fair_share([_candidate(batch, 0)])  # a chunk run outside a plan charges its share too
             return await self._advance_running(batch)
         return False
 
@@ -442,3 +457,24 @@ class BatchRunner:
         self.upstream.forget(batch.id)
         self.on_change(batch.id)
         return True
+
+
+def _fair_of(stored: store_fair.Shares, credit_rows: int) -> scheduling.FairShare:
+    return scheduling.FairShare(
+        credit_rows=credit_rows,
+        owners={k: float(v) for k, v in stored.owners.items()},
+        batches={k: float(v) for k, v in stored.batches.items()},
+    )
+
+
+def _candidate(b: BatchRecord, pending: int) -> scheduling.Candidate:
+    """``b`` as the scheduling policy sees it, with its ``pending`` rows."""
+    return scheduling.Candidate(
+        id=b.id,
+        priority=b.priority,
+        created_at=b.created_at,
+        expires_at=b.expires_at,
+        pending=pending,
+        owner=store_fair.owner_key(b.owner_key_id, b.id),
+        paused=b.paused_at is not None,
+    )

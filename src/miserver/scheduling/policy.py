@@ -14,9 +14,10 @@ The rules, in order:
    A batch whose rate is not measured yet counts as urgent once half its window has passed.
 4. Outside the batch hours (``MISERVER_BATCH_HOURS``) a batch that is not urgent waits (``off_peak``).
 5. Batches that are not urgent are of equal urgency and share the engine fairly: round robin in rows served, per
-   owner (the batch itself until batches have owners), then per batch of an owner. A newcomer starts two chunks
-   ahead of the least-served active owner (it is not owed the past, but gets its first rows soon), so a 10-row batch
-   does not wait behind a 50,000-row one.
+   owner (its API key; the batch itself on a server without keys), then per batch of an owner. A newcomer starts
+   two chunks ahead of the least-served active owner (it is not owed the past, but gets its first rows soon), so a
+   10-row batch does not wait behind a 50,000-row one. The counts are the database's (``store.fair_share``), so
+   every worker on one database ranks by the same shares.
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ class Margin:
 
 @dataclass
 class FairShare:
-    """Rows served per owner and per batch, in the runner's memory (fairness is soft: a restart starts afresh).
+    """Rows served per owner and per batch (``owners``: owner -> rows, ``batches``: batch id -> rows).
 
+    The runner fills it from the database before each plan (every worker on the database reads the same counts) and
+    writes back the newcomers :meth:`admit` starts; :meth:`charge` is for a caller that keeps the counts here alone.
     ``credit_rows`` is the head start of a newcomer over the least-served active owner (the runner gives two chunks:
     a small batch created beside a large one then finishes in about its own time plus one chunk of the other)."""
 
@@ -127,22 +130,25 @@ class FairShare:
         self.owners[candidate.owner] = self.owners.get(candidate.owner, 0.0) + rows
         self.batches[candidate.id] = self.batches.get(candidate.id, 0.0) + rows
 
-    def admit(self, candidates: Iterable[Candidate]) -> None:
+    def admit(self, candidates: Iterable[Candidate]) -> FairShare:
         """Start newcomers ``credit_rows`` ahead of the least-served active owner (batch); forget owners and batches no
-        longer active."""
+        longer active. Returns the newcomers alone, with their starting counts (for a caller that stores them)."""
         active = list(candidates)
         owners = {c.owner for c in active}
         ids = {c.id for c in active}
         self.owners = {o: v for o, v in self.owners.items() if o in owners}
         self.batches = {b: v for b, v in self.batches.items() if b in ids}
+        new = FairShare(credit_rows=self.credit_rows)
         floor = min(self.owners.values(), default=float(self.credit_rows))
         for owner in sorted(owners - self.owners.keys()):
-            self.owners[owner] = max(0.0, floor - self.credit_rows)
+            self.owners[owner] = new.owners[owner] = max(0.0, floor - self.credit_rows)
         owner_of = {c.id: c.owner for c in active}
         for c in active:
             if c.id not in self.batches:
                 same = [v for b, v in self.batches.items() if owner_of.get(b) == c.owner]
-                self.batches[c.id] = max(0.0, min(same, default=float(self.credit_rows)) - self.credit_rows)
+                start = max(0.0, min(same, default=float(self.credit_rows)) - self.credit_rows)
+                self.batches[c.id] = new.batches[c.id] = start
+        return new
 
     def key(self, c: Candidate) -> tuple[float, float]:
         return self.owners.get(c.owner, 0.0), self.batches.get(c.id, 0.0)
@@ -204,7 +210,8 @@ def plan(
     margin: Margin | None = None,
 ) -> Decision:
     """Decide which batches may run now and in which order, and estimate when each one completes (see the module
-    docstring for the rules). ``fair`` is updated for newcomers and departed batches."""
+    docstring for the rules). ``fair`` is updated for newcomers and departed batches (the runner has admitted them
+    already, from the database's counts)."""
     margin = margin or Margin()
     active = list(candidates)
     fair.admit(active)

@@ -165,9 +165,10 @@ async def extend_claim(conn: AsyncConnection, *, batch_id: str, token: str, unti
     await conn.execute(_EXTEND_CLAIM, {"b_id": batch_id, "b_token": token, "b_until": until_ms})
 
 
-async def release_claim(conn: AsyncConnection, *, batch_id: str, token: str) -> None:
-    """Give back the unrecorded rows of a claim (stop, cancel) so that they can be claimed at once."""
-    await conn.execute(_RELEASE_CLAIM, {"b_id": batch_id, "b_token": token})
+async def release_claim(conn: AsyncConnection, *, batch_id: str, token: str) -> int:
+    """Give back the unrecorded rows of a claim (stop, cancel) so that they can be claimed at once; returns how
+    many rows it gave back (none once a finish fenced the claim off)."""
+    return int((await conn.execute(_RELEASE_CLAIM, {"b_id": batch_id, "b_token": token})).rowcount or 0)
 
 
 async def release_claims_of(conn: AsyncConnection, worker: str) -> None:

@@ -182,6 +182,15 @@ Index(
     postgresql_where=batch_rows.c.state == "pending",
 )
 
+# The rows claimed now, by worker (the claims in flight: a record or a release clears ``claimed_until``), for the
+# fair share's head start, which counts the workers running chunks (``store.fair_share.claiming_workers``).
+Index(
+    "ix_batch_rows_claimed",
+    batch_rows.c.claimed_by,
+    sqlite_where=batch_rows.c.claimed_until.is_not(None),
+    postgresql_where=batch_rows.c.claimed_until.is_not(None),
+)
+
 # Idempotency-Key on POST /v1/files and POST /v1/batches: the first answer is replayed for a retry with the same key
 # and the same body; the same key with another body is a 409.
 idempotency_keys = Table(
@@ -354,6 +363,22 @@ throughput = Table(
     Column("updated_at", BigInteger, nullable=False),
     PrimaryKeyConstraint("model", "endpoint"),
     CheckConstraint("rows_per_second > 0 AND tokens_per_second >= 0", name="rates"),
+)
+
+# Fair share (``scheduling.policy.FairShare``), kept here so that every process on the database sees the same shares:
+# rows served per owner (``scope`` 'owner': the batch's API key, or the batch id without keys) and per batch (``scope``
+# 'batch'). A claim adds its rows in the claim's transaction and a release takes back the rows it gives back
+# unrecorded, so ``served`` counts rows recorded plus rows in flight. An entry lives while its owner (batch) has an
+# ``in_progress`` batch.
+fair_share = Table(
+    "fair_share",
+    metadata,
+    Column("scope", String(8), nullable=False),
+    Column("key", String(64), nullable=False),
+    Column("served", BigInteger, nullable=False),
+    PrimaryKeyConstraint("scope", "key"),
+    CheckConstraint("scope IN ('owner', 'batch')", name="scope"),
+    CheckConstraint("served >= 0", name="served_nonnegative"),
 )
 
 # Webhook endpoints (``POST /api/webhooks``): a URL, the events it receives (a JSON list), its signing secret
