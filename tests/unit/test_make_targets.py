@@ -18,7 +18,13 @@ if shutil.which("make") is None:
 
 def _would_run(target: str, venv: Path) -> list[str]:
     result = subprocess.run(
-        ["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
+        # --no-print-directory: under ``make test`` this make is nested and would print "make[1]: Entering ..."
+        ["make", "-n", "--no-print-directory", target, f"VENV={venv}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
     )
     return [x.strip() for x in result.stdout.splitlines() if x.strip() and not x.lstrip().startswith("#")]
 

@@ -1,0 +1,199 @@
+"""The resident engine's step scheduler, measured from outside on the real SmolLM2 (one server, SQLite).
+
+1. One 32-token greedy chat alone (median of 3), and 8 and 16 sent at once (wall and slowest): goal for 8,
+   wall <= 2x one alone.
+2. A 32-row ``pack: true`` generation batch (``max_tokens`` 96) alone, then again with 12 short chats (``max_tokens``
+   8) sent at random moments while it runs: the chats' p50/p95 against the same chats on an idle server, and the
+   batch's rows/s with and without the chats. Goals: p95 while the batch runs <= 1.2x idle p95; the batch keeps
+   >= 0.9x its rows/s. The two batch runs alternate with the idle chats (idle, batch, batch + chats, idle).
+3. A client that sends a 300-token chat and hangs up after its first tokens, then a 1-token chat: its latency
+   against a 1-token chat on an idle server (goal: within idle + one decode step).
+
+The load average is printed beside each part. Results: ``bench/results/scheduler.json``.
+
+    .venv/bin/python bench/scheduler.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from miserver.process import ServerProcess, wait_for  # noqa: E402
+from miserver.settings import EMBEDDED_MODEL_ID  # noqa: E402
+
+MODEL = EMBEDDED_MODEL_ID
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary colour.",
+    "What is 2 plus 3?",
+    "Say hello in Spanish.",
+    "What do bees make?",
+    "Name a large animal.",
+]
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def chat(client: Any, i: int, max_tokens: int) -> float:
+    start = time.perf_counter()
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    return time.perf_counter() - start
+
+
+def at_once(client: Any, n: int) -> tuple[float, float]:
+    """(wall, slowest) seconds of ``n`` 32-token chats sent together."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        times = list(pool.map(lambda i: chat(client, i, 32), range(n)))
+    return time.perf_counter() - start, max(times)
+
+
+def batch_lines(rows: int) -> bytes:
+    lines = []
+    for i in range(rows):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Write a short story about a {QUESTIONS[i % 6].lower()}"}],
+            "max_tokens": 96,
+            "temperature": 0,
+        }
+        lines.append({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    return "".join(json.dumps(x) + "\n" for x in lines).encode()
+
+
+def run_batch(client: Any, data: bytes, chats: int, rng: random.Random) -> tuple[float, list[float]]:
+    """Seconds the packed batch took from its first recorded row to completion, and the latencies of ``chats``
+    short chats sent at random moments meanwhile."""
+    uploaded = client.files.create(file=("gen.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", extra_body={"pack": True}
+    )
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress", timeout=600, interval=0.05)
+    start = time.perf_counter()
+    latencies: list[float] = []
+
+    def interactive() -> None:
+        for i in range(chats):
+            time.sleep(rng.uniform(0.5, 3.0))
+            latencies.append(chat(client, i, 8))
+
+    thread = threading.Thread(target=interactive)
+    thread.start()
+    done = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
+        timeout=3600,
+        interval=0.1,
+    )
+    elapsed = time.perf_counter() - start
+    thread.join()
+    assert done.status == "completed" and done.request_counts.completed == len(data.splitlines()), done
+    return elapsed, latencies
+
+
+def hang_up(server: ServerProcess, max_tokens: int) -> None:
+    """Send a chat on a raw connection, read until the server has begun answering (its headers are not sent before
+    the answer is done for a non-streamed request, so wait a fixed second of generation), then close."""
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": max_tokens}
+    ).encode()
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(1.0)  # a client giving up after a second: not an ordering of the server's work
+
+
+def main() -> None:
+    rng = random.Random(7)
+    report: dict[str, Any] = {"date": datetime.date.today().isoformat()}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(model=MODEL, database_url=f"sqlite:///{tmp}/bench.db", data_dir=Path(tmp) / "var")
+        server.start()
+        try:
+            client = server.client(timeout=600)
+            for i in range(2):
+                chat(client, i, 32)  # warm up
+            alone = statistics.median(chat(client, i, 32) for i in range(3))
+            wall8, slow8 = at_once(client, 8)
+            wall16, slow16 = at_once(client, 16)
+            report["chats"] = {
+                "alone_s": round(alone, 3),
+                "eight": {"wall_s": round(wall8, 3), "slowest_s": round(slow8, 3), "x_alone": round(wall8 / alone, 2)},
+                "sixteen": {"wall_s": round(wall16, 3), "slowest_s": round(slow16, 3)},
+                "load": load(),
+            }
+            print(
+                f"one chat alone {alone:.2f} s; 8 at once wall {wall8:.2f} s (slowest {slow8:.2f}, "
+                f"{wall8 / alone:.2f}x alone); 16 at once wall {wall16:.2f} s (slowest {slow16:.2f}); load {load()}"
+            )
+            data = batch_lines(32)
+            idle_a = [chat(client, i, 8) for i in range(12)]
+            plain_s, _ = run_batch(client, data, 0, rng)
+            mixed_s, busy = run_batch(client, data, 12, rng)
+            idle_b = [chat(client, i, 8) for i in range(12)]
+            idle = idle_a + idle_b
+            report["packed_batch"] = {
+                "rows": 32,
+                "rows_s_alone": round(32 / plain_s, 3),
+                "rows_s_with_chats": round(32 / mixed_s, 3),
+                "rows_s_ratio": round(plain_s / mixed_s, 3),
+                "idle_p50_s": round(statistics.median(idle), 3),
+                "idle_p95_s": round(percentile(idle, 0.95), 3),
+                "busy_p50_s": round(statistics.median(busy), 3),
+                "busy_p95_s": round(percentile(busy, 0.95), 3),
+                "p95_ratio": round(percentile(busy, 0.95) / percentile(idle, 0.95), 2),
+                "load": load(),
+            }
+            b = report["packed_batch"]
+            print(
+                f"packed 32-row batch: {b['rows_s_alone']} rows/s alone, {b['rows_s_with_chats']} with 12 chats "
+                f"(x{b['rows_s_ratio']}); chats p50/p95 idle {b['idle_p50_s']}/{b['idle_p95_s']} s, during the batch "
+                f"{b['busy_p50_s']}/{b['busy_p95_s']} s (p95 x{b['p95_ratio']}); load {load()}"
+            )
+            idle_one = statistics.median(chat(client, i, 1) for i in range(3))
+            hang_up(server, 300)
+            after = chat(client, 0, 1)
+            report["hang_up"] = {"idle_1_token_s": round(idle_one, 3), "after_s": round(after, 3), "load": load()}
+            print(
+                f"1-token chat idle {idle_one:.3f} s; right after a dropped 300-token chat {after:.3f} s; load {load()}"
+            )
+        finally:
+            server.stop()
+    out = ROOT / "bench" / "results" / "scheduler.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
