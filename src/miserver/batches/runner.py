@@ -35,7 +35,7 @@ from ..store import model_life as store_models
 from ..store import operations as store_operations
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord, StaleStatus
-from . import output
+from . import fair_turns, output
 from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease
 from .resident_runs import ResidentRuns
 from .run_state import RunState
@@ -210,27 +210,10 @@ class BatchRunner:
         return busy
 
     async def _fair_share(self, candidates: list[scheduling.Candidate]) -> scheduling.FairShare:
-        """The fair-share counts every worker on the database shares (:mod:`~miserver.store.fair_share`), with the
-        newcomers among ``candidates`` admitted and the entries of owners and batches no longer ``in_progress``
-        dropped. A newcomer's head start over the least-served owner is :attr:`credit_rows` for each worker running
-        chunks now (this one and those holding claims): two chunks of the whole fleet's time, as one runner gives
-        two of its engine's. A newcomer that another worker admitted first keeps that worker's count."""
-        async with self.store.tx() as conn:
-            await store_fair.forget_departed(conn)
-            workers = await store_fair.claiming_workers(conn, now_ms=now_ms()) | {self.worker_id}
-            credit = self.credit_rows * len(workers)
-            stored = await store_fair.read(conn)
-            fair = _fair_of(stored, credit)
-            new = fair.admit(candidates)
-            if new.owners or new.batches:
-                written = await store_fair.admit(
-                    conn,
-                    owners={k: int(v) for k, v in new.owners.items()},
-                    batches={k: int(v) for k, v in new.batches.items()},
-                )
-                if written < len(new.owners) + len(new.batches):  # another worker was first: read its counts
-                    fair = _fair_of(await store_fair.read(conn), credit)
-        return fair
+        """The fair-share counts every worker on the database shares (see :func:`fair_turns.shared_counts`)."""
+        return await fair_turns.shared_counts(
+            self.store, candidates, worker_id=self.worker_id, credit_rows=self.credit_rows
+        )
 
     async def _store_estimates(
         self, running: list[BatchRecord], decision: scheduling.Decision, pending: dict[str, int]
@@ -457,14 +440,6 @@ class BatchRunner:
         self.upstream.forget(batch.id)
         self.on_change(batch.id)
         return True
-
-
-def _fair_of(stored: store_fair.Shares, credit_rows: int) -> scheduling.FairShare:
-    return scheduling.FairShare(
-        credit_rows=credit_rows,
-        owners={k: float(v) for k, v in stored.owners.items()},
-        batches={k: float(v) for k, v in stored.batches.items()},
-    )
 
 
 def _candidate(b: BatchRecord, pending: int) -> scheduling.Candidate:

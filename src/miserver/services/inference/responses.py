@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ...clock import now
-from ...engines.base import Engine, Grammar
+from ...engines.base import Engine
 from ...errors import APIError, InvalidRequestError, NotFoundError, UnsupportedParameterError
 from ...ids import ordered_id, random_id
 from ...protocol.parsing import parse_request
@@ -42,9 +42,9 @@ from ...protocol.responses import (
 from ...store import responses as store_responses
 from ...store.responses import StoredResponse
 from ..accounts import keys as accounts
-from . import chat
+from . import chat, text_format
 from .checks import check_metadata
-from .constraints import check_grammar, grammar_of
+from .constraints import check_grammar
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 
 #: How long a stored Response is kept: 30 days after creation, as files (``FILE_DEFAULT_EXPIRY_SECONDS``'s default).
@@ -100,7 +100,7 @@ def _refuse_unsupported(req: ResponseCreateRequest) -> None:
 def _check_text_config(form: dict[str, Any] | None, verbosity: str | None) -> None:
     if verbosity is not None:
         raise _unsupported("text.verbosity", "is not supported by the resident model.")
-    grammar_of(form, param="text.format", flat=True)
+    text_format.grammar(form)
 
 
 def _input_turns(req: ResponseCreateRequest) -> Turns:
@@ -132,23 +132,9 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCrea
     check_metadata(req.metadata)
     _input_turns(req)
     engine = ctx.resolve_model(req.model)
-    check_grammar(engine, _grammar(req), field="text.format", schema_param="text.format.schema")
-    return req, engine
-
-
-def _grammar(req: ResponseCreateRequest) -> Grammar | None:
-    return grammar_of(req.text.format if req.text else None, param="text.format", flat=True)
-
-
-def _response_format(req: ResponseCreateRequest) -> dict[str, Any] | None:
-    """``text.format`` as the chat request's ``response_format`` (None for plain text)."""
     form = req.text.format if req.text else None
-    if form is None or form.get("type") in (None, "text"):
-        return None
-    if form.get("type") == "json_object":
-        return {"type": "json_object"}
-    spec = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
-    return {"type": "json_schema", "json_schema": spec}
+    check_grammar(engine, text_format.grammar(form), field="text.format", schema_param="text.format.schema")
+    return req, engine
 
 
 def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
@@ -165,7 +151,7 @@ def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             body[name] = getattr(req, name)
-    response_format = _response_format(req)
+    response_format = text_format.as_response_format(req.text.format if req.text else None)
     if response_format is not None:
         body["response_format"] = response_format
     if req.stream:
@@ -255,16 +241,8 @@ def _response(
         else None,
         user=req.user,
         metadata=req.metadata or {},
-        text=ResponseTextConfig(format=_format_echo(req)),
+        text=ResponseTextConfig(format=text_format.echo(req.text.format if req.text else None)),
     ).model_dump()
-
-
-def _format_echo(req: ResponseCreateRequest) -> dict[str, Any]:
-    """The ``text.format`` a Response echoes: the one sent (the schema as given), else plain text."""
-    form = req.text.format if req.text else None
-    if form is None or form.get("type") in (None, "text"):
-        return {"type": "text"}
-    return {k: form[k] for k in ("type", "name", "schema", "strict", "description") if k in form}
 
 
 def _answer_id(response: dict[str, Any]) -> dict[str, str]:
