@@ -134,7 +134,8 @@ async def main() -> None:
     makers: dict[str, Callable[[], Cache]] = {
         "transformers": lambda: HFSlots(model, max_positions=context),
         "slots": lambda: SlotModel(model, max_positions=context),
-        "slots-t": lambda: SlotModel(model, max_positions=context, transposed=True),
+        "slots-t": lambda: SlotModel(model, max_positions=context, weights="transposed"),
+        "slots-p": lambda: SlotModel(model, max_positions=context, weights="packed"),
         "slots-compiled": lambda: SlotModel(model, max_positions=context, compile=True),
     }
     if bf16 is not None:

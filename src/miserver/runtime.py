@@ -50,7 +50,7 @@ async def load_engine(settings: Settings) -> Engine:
         batch_slots=settings.batch_generate_slots,
         decode=DecodeOptions(
             settings.decode,
-            transposed=settings.decode_transposed,
+            weights=settings.decode_weights,
             compile=settings.compile == "on",
             compile_cache=settings.cache_dir / "inductor",
         ),

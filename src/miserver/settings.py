@@ -71,11 +71,12 @@ class Settings(BaseSettings):
         description="decode step of the resident model: slots (a static KV cache and a Llama forward over the "
         "model's own weights, where the model is a plain Llama) or transformers (its own forward and cache)",
     )
-    decode_transposed: bool = Field(
-        True,
-        validation_alias=_env("MISERVER_DECODE_TRANSPOSED"),
-        description="on the CPU, the slots decode step keeps contiguous [in, out] copies of the projection weights "
-        "and output head (one more copy of them in memory; about a quarter less CPU per token with MKL here)",
+    decode_weights: Literal["packed", "transposed", "view"] = Field(
+        "packed",
+        validation_alias=_env("MISERVER_DECODE_WEIGHTS"),
+        description="how the slots decode step holds the projection weights and output head: packed (a copy "
+        "prepacked for oneDNN, CPU only; several rows a step cost about what one costs), transposed (a contiguous "
+        "[in, out] copy for MKL) or view (the model's own weights, no copy)",
     )
     compile: Literal["off", "on"] = Field(
         "off",

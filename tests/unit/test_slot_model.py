@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from miserver.engines.local import slots as slots_module
 from miserver.engines.local.hf_cache import HFSlots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slots import DecodeOptions, SlotModel, make_slots, supported
+from miserver.engines.local.slots import WEIGHT_LAYOUTS, DecodeOptions, SlotModel, WeightLayout, make_slots, supported
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why", "a b c d e f g"]
 
@@ -47,31 +47,32 @@ def greedy(cache: SlotModel | HFSlots, slot: int, ids: torch.Tensor, steps: int)
 def test_the_tiny_model_is_covered(loaded: LoadedModel) -> None:
     assert supported(loaded.model)
     default = make_slots(loaded.model, 512)
-    assert isinstance(default, SlotModel) and default.transposed  # the CPU default
+    assert isinstance(default, SlotModel) and default.weights == "packed"  # the CPU default (torch with oneDNN)
     assert isinstance(make_slots(loaded.model, 512, DecodeOptions("transformers")), HFSlots)
     assert isinstance(make_slots(loaded.model, None), HFSlots)
-    views = make_slots(loaded.model, 512, DecodeOptions(transposed=False))
-    assert isinstance(views, SlotModel) and not views.transposed
+    views = make_slots(loaded.model, 512, DecodeOptions(weights="view"))
+    assert isinstance(views, SlotModel) and views.weights == "view"
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_greedy_equals_transformers_generate(loaded: LoadedModel, transposed: bool) -> None:
+@pytest.mark.parametrize("weights", WEIGHT_LAYOUTS)
+def test_greedy_equals_transformers_generate(loaded: LoadedModel, weights: WeightLayout) -> None:
     model = loaded.model
     with torch.inference_mode():
         for text in PROMPTS:
             ids = ids_of(loaded, text)
             ref = model.generate(ids[None], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
             want = ref[0, len(ids) :].tolist()
-            got, logits = greedy(SlotModel(model, max_positions=512, transposed=transposed), 0, ids, 24)
+            got, logits = greedy(SlotModel(model, max_positions=512, weights=weights), 0, ids, 24)
             assert got == want, text
             _, hf_logits = greedy(HFSlots(model, max_positions=512), 0, ids, 24)
             assert torch.equal(logits[0], hf_logits[0])  # the prefill is transformers' own
             assert torch.allclose(logits, hf_logits, atol=1e-4, rtol=0)
 
 
-def test_slots_at_other_lengths_decode_together(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("weights", WEIGHT_LAYOUTS)
+def test_slots_at_other_lengths_decode_together(loaded: LoadedModel, weights: WeightLayout) -> None:
     with torch.inference_mode():
-        cache = SlotModel(loaded.model, max_positions=512)
+        cache = SlotModel(loaded.model, max_positions=512, weights=weights)
         prompts = [ids_of(loaded, t) for t in PROMPTS[:3]]
         order = [2, 0, 5]  # slot numbers out of order, with a gap (slots 1, 3, 4 hold nothing)
         firsts = [int(torch.argmax(cache.prefill(s, p))) for s, p in zip(order, prompts, strict=True)]
@@ -80,7 +81,7 @@ def test_slots_at_other_lengths_decode_together(loaded: LoadedModel) -> None:
         together.append(cache.decode(order, nexts))
         assert [cache.length(s) for s in order] == [len(p) + 2 for p in prompts]
         for row, (p, first, nxt) in enumerate(zip(prompts, firsts, nexts, strict=True)):
-            alone = SlotModel(loaded.model, max_positions=512)
+            alone = SlotModel(loaded.model, max_positions=512, weights=weights)
             alone.prefill(0, p)
             one = alone.decode([0], [first])[0]
             two = alone.decode([0], [nxt])[0]
@@ -88,12 +89,15 @@ def test_slots_at_other_lengths_decode_together(loaded: LoadedModel) -> None:
             assert torch.allclose(two, together[1][row], atol=1e-5, rtol=0)
 
 
-def test_a_slot_alone_computes_the_same_bits_whatever_else_is_cached(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("weights", WEIGHT_LAYOUTS)
+def test_a_slot_alone_computes_the_same_bits_whatever_else_is_cached(
+    loaded: LoadedModel, weights: WeightLayout
+) -> None:
     with torch.inference_mode():
         ids = ids_of(loaded, PROMPTS[1])
-        clean = SlotModel(loaded.model, max_positions=512)
+        clean = SlotModel(loaded.model, max_positions=512, weights=weights)
         _, first = greedy(clean, 0, ids, 8)
-        busy = SlotModel(loaded.model, max_positions=512)
+        busy = SlotModel(loaded.model, max_positions=512, weights=weights)
         for s, text in enumerate(PROMPTS):
             busy.prefill(s, ids_of(loaded, text))
         _, second = greedy(busy, 1, ids, 8)
@@ -155,19 +159,20 @@ def test_models_the_forward_does_not_cover_fall_back() -> None:
         SlotModel(scaled, max_positions=64)
 
 
-def test_transposed_copies_follow_weight_writes(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("weights", ["packed", "transposed"])
+def test_weight_copies_follow_weight_writes(loaded: LoadedModel, weights: WeightLayout) -> None:
     weight = loaded.model.model.layers[0].mlp.down_proj.weight
     kept = weight.detach().clone()
     ids = ids_of(loaded, PROMPTS[0])
     with torch.inference_mode():
-        cache = SlotModel(loaded.model, max_positions=512, transposed=True)
+        cache = SlotModel(loaded.model, max_positions=512, weights=weights)
         _, before = greedy(cache, 0, ids, 4)
     try:
         with torch.no_grad():
             weight.mul_(3.0)
         with torch.inference_mode():
             _, written = greedy(cache, 0, ids, 4)
-            _, fresh = greedy(SlotModel(loaded.model, max_positions=512, transposed=True), 0, ids, 4)
+            _, fresh = greedy(SlotModel(loaded.model, max_positions=512, weights=weights), 0, ids, 4)
     finally:
         with torch.no_grad():
             weight.copy_(kept)

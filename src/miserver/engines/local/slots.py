@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -62,11 +62,24 @@ def supported(model: PreTrainedModel) -> bool:
     )
 
 
+#: How the slot forward holds the projection weights and the output head (see :class:`SlotModel`).
+WeightLayout = Literal["packed", "transposed", "view"]
+WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = get_args(WeightLayout)
+
+
+def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN can hold prepacked weights for ``device`` and ``dtype``: a CPU build of torch with oneDNN
+    (mkldnn), float32 or bfloat16."""
+    onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]  # unannotated in torch
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn
+
+
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's tensors. Projections are ``[in, out]`` matrices (``x @ m``): a transposed view of the
-    model's own ``[out, in]`` weight, or a contiguous copy of it (``transposed``); biases are None when the model has
-    none. Norm weights are the model's own."""
+    """One decoder layer's tensors. A projection is what :func:`_project` takes: an ``[in, out]`` matrix (``x @
+    m``: a transposed view of the model's own ``[out, in]`` weight, or a contiguous copy of it), or a oneDNN tensor
+    prepacked from the ``[out, in]`` weight; biases are None when the model has none. Norm weights are the model's
+    own."""
 
     norm_in: torch.Tensor
     q: torch.Tensor
@@ -87,16 +100,20 @@ class SlotModel:
     """Slots of sequences over a static KV cache, decoded by this module's Llama forward (see the module).
 
     ``model`` must satisfy :func:`supported` (else ``ValueError``). ``max_positions`` is the context length: a
-    prefill or decode past it raises ``ValueError``. ``transposed`` keeps a contiguous ``[in, out]`` copy of every
-    projection and of the output head (one more copy of those weights in memory; faster one-row matrix products on
-    this CPU's BLAS); a copy is remade at the next step when its parameter changed (a weight write). ``compile``
+    prefill or decode past it raises ``ValueError``. ``weights`` says how the projections and the output head are
+    multiplied: ``"view"`` through a transposed view of the model's own weights (no copy); ``"transposed"`` through
+    a contiguous ``[in, out]`` copy (faster one-row products with MKL on the CPU); ``"packed"`` through a copy
+    prepacked for oneDNN (see :func:`packing_available`; else ``"transposed"`` on the CPU, ``"view"`` elsewhere): on the
+    development machine's CPU a step of 2 to 17 rows costs about what one row costs with it, where MKL's small
+    matrix products cost three to ten times as much. A copy costs one more copy of those weights in memory and is
+    remade at the next step when its parameter changed (a weight write). ``compile``
     runs the decode forward through ``torch.compile`` (dynamic shapes; compiled at the first steps of each new shape,
     minutes on a small CPU, from inductor's cache at later starts); any failure of it is logged and the step runs
     eager from then on.
     """
 
     def __init__(
-        self, model: PreTrainedModel, *, max_positions: int, transposed: bool = False, compile: bool = False
+        self, model: PreTrainedModel, *, max_positions: int, weights: WeightLayout = "view", compile: bool = False
     ) -> None:
         if not supported(model):
             raise ValueError(f"the slot forward does not cover {type(model).__name__} ({model.config.model_type})")
@@ -111,7 +128,6 @@ class SlotModel:
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.layers = len(model.model.layers)
-        self.transposed = transposed
         self._norm = model.model.norm
         self._norm_eps = float(model.model.norm.variance_epsilon)
         #: the compiled forward (``compile``), or None: eager
@@ -121,6 +137,9 @@ class SlotModel:
         self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(param) -> (data_ptr, version, copy)
         device, dtype = model.device, model.dtype
         self.device, self.dtype = device, dtype
+        if weights == "packed" and not packing_available(device, dtype):
+            weights = "transposed" if device.type == "cpu" else "view"
+        self.weights: WeightLayout = weights
         rotary = model.model.rotary_emb
         # the rotary table of every position, computed as transformers computes one position (same float ops)
         positions = torch.arange(max_positions, device=device).float()
@@ -243,7 +262,8 @@ class SlotModel:
             attn = self._attend(i, q, row_t, lo, seen.shape[0], width, mask)  # [B, heads * head_dim]
             hidden = hidden + _project(attn, layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, self.eps)
-            hidden = hidden + torch.matmul(F.silu(torch.matmul(x, layer.gate)) * torch.matmul(x, layer.up), layer.down)
+            gated = F.silu(_project(x, layer.gate, None)) * _project(x, layer.up, None)
+            hidden = hidden + _project(gated, layer.down, None)
         hidden = _rms_norm(hidden, self._norm.weight, self._norm_eps)
         return _project(hidden, head, head_bias).float()
 
@@ -295,14 +315,19 @@ class SlotModel:
         return out
 
     def _matrix(self, weight: torch.Tensor) -> torch.Tensor:
-        """The ``[in, out]`` matrix of the ``[out, in]`` ``weight``: its transposed view, or (``transposed``) a
-        contiguous copy, remade when the parameter's storage or version changed since it was made."""
-        if not self.transposed or weight.is_inference():  # an inference tensor keeps no version to watch
+        """What :func:`_project` multiplies by for the ``[out, in]`` ``weight`` (see ``weights``): its transposed
+        view, or a copy (contiguous ``[in, out]``, or prepacked for oneDNN) remade when the parameter's storage or
+        version changed since it was made."""
+        if self.weights == "view" or weight.is_inference():  # an inference tensor keeps no version to watch
             return weight.t()
         key = id(weight)
         seen = self._copies.get(key)
         if seen is None or seen[0] != weight.data_ptr() or seen[1] != weight._version:
-            seen = (weight.data_ptr(), weight._version, weight.detach().t().contiguous())
+            if self.weights == "packed":
+                copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            else:
+                copy = weight.detach().t().contiguous()
+            seen = (weight.data_ptr(), weight._version, copy)
             self._copies[key] = seen
         return seen[2]
 
@@ -339,7 +364,11 @@ def _compile(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 
 
 def _project(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one."""
+    """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one; a oneDNN
+    ``matrix`` is the ``[out, in]`` weight prepacked (:meth:`SlotModel._matrix`), multiplied by oneDNN's linear."""
+    if matrix.is_mkldnn:
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, bias, "none", [], "")
+        return y
     y = torch.matmul(x, matrix)
     return y if bias is None else y + bias
 
@@ -366,18 +395,17 @@ DecodePath = Literal["slots", "transformers"]
 @dataclass(frozen=True)
 class DecodeOptions:
     """How the step loop decodes: ``path`` ``"slots"`` (:class:`SlotModel` where :func:`supported`) or
-    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, ``transposed`` weight copies (on the CPU only,
-    where they make one-row products faster; one more copy of the projections in memory) and ``compile`` (see
+    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, its ``weights`` layout and ``compile`` (see
     :class:`SlotModel`), with inductor's compiled artefacts kept under ``compile_cache`` (None: inductor's default
     folder) so that a later start compiles from the cache."""
 
     path: DecodePath = "slots"
-    transposed: bool = True
+    weights: WeightLayout = "packed"
     compile: bool = False
     compile_cache: Path | None = None
 
 
-#: The default: the slot forward, eager, with transposed weight copies on the CPU.
+#: The default: the slot forward, eager, with weights prepacked for oneDNN on the CPU.
 DEFAULT_DECODE = DecodeOptions()
 
 
@@ -388,5 +416,5 @@ def make_slots(model: PreTrainedModel, max_positions: int | None, options: Decod
     if options.path == "slots" and max_positions and supported(model):
         if options.compile and options.compile_cache is not None:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(options.compile_cache))
-        return SlotModel(model, max_positions=max_positions, transposed=options.transposed, compile=options.compile)
+        return SlotModel(model, max_positions=max_positions, weights=options.weights, compile=options.compile)
     return HFSlots(model, max_positions=max_positions)
