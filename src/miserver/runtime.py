@@ -48,6 +48,7 @@ async def load_engine(settings: Settings) -> Engine:
         device=settings.device,
         max_sequences=settings.max_sequences,
         batch_slots=settings.batch_generate_slots,
+        prefill_tokens=settings.batch_prefill_tokens,
         decode=DecodeOptions(
             settings.decode,
             weights=settings.decode_weights,

@@ -148,6 +148,13 @@ class Settings(BaseSettings):
         "scheduler; a finished sequence's slot goes to the next row); interactive requests come on top, up to "
         "MISERVER_MAX_SEQUENCES. 1 runs generation rows one at a time",
     )
+    batch_prefill_tokens: int = Field(
+        256,
+        validation_alias=_env("BATCH_PREFILL_TOKENS"),
+        ge=1,
+        description="batch rows' prompt tokens the resident model prefills in one decode step at most (a prefill "
+        "delays every sequence of its step; a row with a longer prompt starts alone in its step)",
+    )
     batch_claim_ttl_seconds: float = Field(
         30.0,
         validation_alias=_env("BATCH_CLAIM_TTL_SECONDS"),

@@ -99,3 +99,43 @@ async def test_a_cancelled_or_stopped_request_leaves_at_the_next_step() -> None:
     assert starts == [] and sorted(drops) == sorted([a.number, b.number]), "both dropped at the next step"
     assert [d for _, drops in steps.log[:4] for d in drops] == [], "neither left before it was told to"
     assert s.in_flight == 0 and steps.left == {}
+
+
+def prompt(tokens: int, length: int, priority: Priority = Priority.BATCH) -> GenerationRequest:
+    return GenerationRequest(tuple(range(1, length + 1)), SamplingParams(max_tokens=tokens), priority=priority)
+
+
+async def test_batch_prompts_start_within_the_prefill_budget_of_a_step() -> None:
+    steps = FakeSteps()
+    s = StepScheduler(steps, max_sequences=16, batch_slots=8, prefill_tokens=100)
+    rows = [s.submit(prompt(20, length)) for length in (60, 30, 20, 150, 10)]
+    for t in rows:
+        await t.outcome()
+    assert [t.admitted_at for t in rows] == [0, 0, 1, 2, 3], "60 + 30 fit a step; + 20 would not; 150 starts alone"
+
+
+async def test_no_batch_prefill_joins_a_step_while_an_interactive_request_runs() -> None:
+    steps = FakeSteps(hold_at=1)
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4)
+    first = s.submit(request(10, key="a"))
+    await steps.holding()  # step 0 started the first batch row; step 1 is on the engine thread
+    chat = s.submit(request(4, Priority.INTERACTIVE))
+    later = s.submit(request(2, key="b"))
+    steps.go.set()
+    await chat.outcome()
+    await later.outcome()
+    await first.outcome()
+    assert (first.admitted_at, chat.admitted_at) == (0, 2)
+    assert later.admitted_at == 6, "not beside the chat (steps 2-5) while a batch row ran; at the step after it"
+    assert [starts for starts, _ in steps.log[2:6]] == [[chat.number], [], [], []]
+
+
+async def test_a_batch_with_nothing_in_flight_still_starts_a_row_beside_interactive_work() -> None:
+    steps = FakeSteps()
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4)
+    chat = s.submit(request(6, Priority.INTERACTIVE))
+    rows = [s.submit(request(2, key="a")) for _ in range(2)]
+    for t in [chat, *rows]:
+        await t.outcome()
+    assert chat.admitted_at == 0
+    assert [t.admitted_at for t in rows] == [0, 2], "one row beside the chat at a time: the batch never stops"

@@ -45,6 +45,8 @@ _T = TypeVar("_T")
 DEFAULT_MAX_SEQUENCES = 24
 #: Batch sequences in flight at once (the default of ``BATCH_GENERATE_SLOTS``).
 DEFAULT_BATCH_SLOTS = 16
+#: Batch prompt tokens prefilled in one step at most (the default of ``BATCH_PREFILL_TOKENS``).
+DEFAULT_PREFILL_TOKENS = 256
 
 
 def _new_executor() -> ThreadPoolExecutor:
@@ -57,7 +59,8 @@ class LocalEngine:
     ``executions`` counts requests run (each generation request as the step scheduler admits it, and each request of
     ``score``, ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is called with each request at
     that moment (tests use both to prove work is not run twice). ``max_sequences`` caps the sequences in flight,
-    ``batch_slots`` those of batch requests (interactive ones join above them, up to ``max_sequences``).
+    ``batch_slots`` those of batch requests (interactive ones join above them, up to ``max_sequences``);
+    ``prefill_tokens`` bounds the batch prompt tokens prefilled in one step (see ``scheduler.StepScheduler``).
     ``decode`` picks the decode step (``slots.make_slots``): the static-cache Llama forward where the model allows
     it (the default), or transformers' own forward and cache.
     """
@@ -70,6 +73,7 @@ class LocalEngine:
         *,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         decode: DecodeOptions = DEFAULT_DECODE,
     ) -> None:
         self._loaded: LoadedModel | None = loaded
@@ -108,6 +112,7 @@ class LocalEngine:
             self._run_step,
             max_sequences=max_sequences,
             batch_slots=batch_slots,
+            prefill_tokens=prefill_tokens,
             on_start=self._count,
             on_generated=self._generated,
         )
@@ -122,6 +127,7 @@ class LocalEngine:
         *,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         decode: DecodeOptions = DEFAULT_DECODE,
     ) -> LocalEngine:
         """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine.
@@ -137,7 +143,13 @@ class LocalEngine:
             executor.shutdown(wait=False, cancel_futures=True)
             raise
         return cls(
-            loaded, source.served_id, executor, max_sequences=max_sequences, batch_slots=batch_slots, decode=decode
+            loaded,
+            source.served_id,
+            executor,
+            max_sequences=max_sequences,
+            batch_slots=batch_slots,
+            prefill_tokens=prefill_tokens,
+            decode=decode,
         )
 
     @classmethod

@@ -8,8 +8,12 @@ while anything waits or runs:
    stop (a batch cancelled, paused or expired, a claim lost), leave at this step and free their slots;
 2. **admit**: interactive tickets first, oldest first, while the slots in flight stay within ``max_sequences``;
    then batch tickets, round robin over their fairness keys, while the batch class holds at most ``batch_slots``
-   sequences. An interactive ticket therefore starts at the next step even when every batch slot is busy, and no
-   batch sequence is ever stopped to make room for it;
+   sequences and their prompts stay within ``prefill_tokens`` a step (the first batch ticket of a step is never held
+   back by it). An interactive ticket therefore starts at the next step even when every batch slot is busy, and no
+   batch sequence is ever stopped to make room for it. A prefill runs inside its step, so it delays every sequence
+   of that step: while interactive sequences are in flight or waiting, a batch ticket starts only when no batch
+   sequence is in flight (the batch always progresses; the batch sequences in flight keep decoding beside the
+   interactive ones);
 3. **step**: one :meth:`~miserver.engines.local.steps.StepBatch.step` on the engine thread (prefill of the admitted,
    one decode token for the rest); other engine work (scoring and pooling packs, weight edits) queues on the same
    thread between two steps;
@@ -107,11 +111,15 @@ class StepScheduler:
         *,
         max_sequences: int,
         batch_slots: int,
+        prefill_tokens: int = 256,
         on_start: Callable[[GenerationRequest], None] | None = None,
         on_generated: Callable[[int], None] | None = None,
     ) -> None:
         if max_sequences < 1 or batch_slots < 1:
             raise ValueError("the step scheduler needs at least one slot")
+        if prefill_tokens < 1:
+            raise ValueError("prefill_tokens must be positive")
+        self.prefill_tokens = prefill_tokens
         self.run_step = run_step
         self.max_sequences = max_sequences
         self.batch_slots = min(batch_slots, max_sequences)
@@ -193,9 +201,11 @@ class StepScheduler:
 
     def _admit(self) -> list[Ticket]:
         """Interactive first within ``max_sequences``; then batch round robin over fairness keys within
-        ``batch_slots`` (a request wider than the free room starts only when its class has nothing in flight)."""
+        ``batch_slots`` and ``prefill_tokens`` (a request wider than the free room starts only when its class has
+        nothing in flight), none while interactive work runs or waits beside a batch sequence in flight."""
         used = self.in_flight
         batch_used = sum(t.request.n for t in self._active.values() if t.priority != Priority.INTERACTIVE)
+        prefill = 0  # batch prompt tokens admitted at this step
         starts: list[Ticket] = []
         for t in list(self._interactive):  # oldest first; one held back by its group's cap lets the next go
             n = t.request.n
@@ -206,15 +216,21 @@ class StepScheduler:
             self._interactive.remove(t)
             self._take(t, starts)
             used += n
+        interactive = used > batch_used or bool(self._interactive)  # in flight (or starting), or still waiting
         progressed = True
         while progressed and self._batch:  # one ticket per key per pass: round robin over the fairness keys
             progressed = False
             for key in list(self._batch):
+                if interactive and batch_used > 0:
+                    return starts
                 queue = self._batch[key]
                 t = queue[0]
                 n = t.request.n
                 room = min(self.batch_slots - batch_used, self.max_sequences - used)
                 alone = batch_used == 0 and used == 0  # a request wider than the room starts when nothing runs
+                tokens = len(t.request.prompt_ids)
+                if prefill > 0 and prefill + tokens > self.prefill_tokens:
+                    return starts
                 if (n > room and not alone) or not self._group_room(t):
                     continue
                 queue.popleft()
@@ -224,6 +240,7 @@ class StepScheduler:
                 self._take(t, starts)
                 used += n
                 batch_used += n
+                prefill += tokens
                 progressed = True
         return starts
 
