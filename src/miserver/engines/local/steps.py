@@ -91,12 +91,14 @@ class Update:
     generated: int = 0
 
 
-def advance(seq: Seq, logits: torch.Tensor, eos_ids: Collection[int]) -> bool:
+def advance(seq: Seq, logits: torch.Tensor, eos_ids: Collection[int], picked: int | None = None) -> bool:
     """Sample ``seq``'s next token from ``logits`` (float32 ``[vocab]``) and record it; True while the sequence goes
     on (its token must be fed), False once it finished: an end-of-sequence token or a stop string (``"stop"``), or
-    its ``limit`` of tokens (``"length"``). The rules of ``generate.generate_sequence``, step for step."""
+    its ``limit`` of tokens (``"length"``). The rules of ``generate.generate_sequence``, step for step. ``picked`` is
+    the token already chosen for a greedy sequence without processors (the argmax of ``logits``, taken for a whole
+    decode group at once: :func:`greedy_picks`)."""
     out = seq.out
-    token = sample(process(logits, seq.proc), seq.params, seq.generator)
+    token = picked if picked is not None else sample(process(logits, seq.proc), seq.params, seq.generator)
     if token in eos_ids:
         out.end_token()
         seq.deltas.append(out.finish("stop"))
@@ -117,6 +119,16 @@ def advance(seq: Seq, logits: torch.Tensor, eos_ids: Collection[int]) -> bool:
         return False
     seq.token = token
     return True
+
+
+def greedy_picks(group: Sequence[Seq], logits: torch.Tensor) -> list[int | None]:
+    """Per row of ``logits`` (``[rows, vocab]``, one per sequence of ``group``) its argmax where the sequence samples
+    greedily without processors (one tensor operation for the group), else None (sampled on its own)."""
+    plain = [s.proc is None and s.params.temperature <= 0.0 for s in group]
+    if not any(plain):
+        return [None] * len(group)
+    best = torch.argmax(logits, dim=-1).tolist()
+    return [int(b) if p else None for b, p in zip(best, plain, strict=True)]
 
 
 class StepBatch:
@@ -247,8 +259,8 @@ class StepBatch:
             if len(group) > 1:
                 for seq in group:
                     seq.shared = True
-            for b, seq in enumerate(group):
-                if not advance(seq, logits[b], self.eos_ids):
+            for b, (seq, picked) in enumerate(zip(group, greedy_picks(group, logits), strict=True)):
+                if not advance(seq, logits[b], self.eos_ids, picked):
                     self._retire(seq)
 
     def _take_slot(self) -> int:
