@@ -166,10 +166,15 @@ def find_llama_server() -> tuple[Path | None, str]:
 def llama_server(binary: Path, root: Path, *, alias: str, parallel: int = 4) -> EngineProcess:
     """A (not yet started) ``llama-server`` on the embedded GGUF file with ``parallel`` slots (2 threads, 4096
     tokens of context shared by the slots), its log ``root/llama-server.log``. It lists the model as ``alias``
-    and answers any ``model`` name."""
+    and answers any ``model`` name.
+
+    Flash attention is off: a binary built with ``GGML_NATIVE=ON`` on a processor with AVX512-FP16 (as
+    ``../shared/tools/llama-server.xz`` was) uses an FP16 instruction (``vcvtss2sh``) only in its flash-attention
+    kernel, so on an AVX-512 processor without FP16 it died with SIGILL at its warm-up decode and the module was
+    skipped; without that kernel it runs (a 135M model's attention on the CPU gains nothing from it)."""
     port = free_port()
     cmd = [str(binary), "-m", str(embedded_gguf_path()), "--alias", alias, "-t", "2", "-tb", "2"]
-    cmd += ["-np", str(parallel), "-c", "4096", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-np", str(parallel), "-c", "4096", "--flash-attn", "off", "--host", "127.0.0.1", "--port", str(port)]
     # passive waiting: spinning threads collapse on a machine busy with the rest of the suite
     env = {"OMP_WAIT_POLICY": "PASSIVE"}
     return EngineProcess("llama-server", cmd, root / "llama-server.log", cwd=root, env=env, port=port)

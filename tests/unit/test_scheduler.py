@@ -69,6 +69,30 @@ async def test_new_arrival_does_not_jump_the_queue() -> None:
     assert gate.in_use == 0
 
 
+async def test_a_newcomer_does_not_overtake_a_waiting_exclusive_holder() -> None:
+    """Two slots, one held: a weight write (exclusive: every slot) waits for it. A chat arriving now finds a slot free
+    yet queues behind the write (taking it would hold the write back for as long as chats keep coming); the write
+    gets both slots once the holder is done, and the chat runs after it."""
+    gate = AdmissionGate(2)
+    held = await gate.acquire(Priority.BATCH)
+    write = asyncio.create_task(gate.acquire(Priority.INTERACTIVE, exclusive=True))
+    await queued(gate, Priority.INTERACTIVE, 1)
+    chat = asyncio.create_task(gate.acquire(Priority.INTERACTIVE))
+    state = await until(
+        lambda: (chat.done(), gate.queue_length(Priority.INTERACTIVE)),
+        lambda s: s[0] or s[1] == 2,
+        what="the chat admitted or queued",
+    )
+    assert state == (False, 2), "the chat queued behind the write although a slot was free"
+    assert gate.in_use == 1
+    gate.release(held)
+    exclusive = await asyncio.wait_for(write, 10)
+    assert gate.in_use == 2 and not chat.done()
+    gate.release(exclusive)
+    gate.release(await asyncio.wait_for(chat, 10))
+    assert gate.in_use == 0
+
+
 async def test_cancelled_waiter_leaves_no_slot_behind() -> None:
     gate = AdmissionGate(1)
     held = await gate.acquire(Priority.BATCH)
