@@ -207,7 +207,7 @@ def miserver(policy: str, tmp: Path) -> Iterator[Engine]:
 def llama(policy: str, tmp: Path, binary: Path) -> Iterator[Engine]:
     port = free_port()
     cmd = [str(binary), "-m", str(embedded_gguf_path()), "--alias", MODEL, "-t", str(THREADS), "-tb", str(THREADS)]
-    cmd += ["-np", "8", "-c", "4096", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-np", "8", "-c", "4096", "--flash-attn", "off", "--host", "127.0.0.1", "--port", str(port)]
     process = EngineProcess("llama-server", cmd, tmp / "llama.log", cwd=tmp, env={"OMP_WAIT_POLICY": policy}, port=port)
     process.start(timeout=300)
     ref: list[Engine] = []

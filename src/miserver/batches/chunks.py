@@ -11,12 +11,14 @@ Every batch row, packed or not, whatever the endpoint, passes through :func:`run
    that finish within a short window of each other (group commit, :func:`grouped`); otherwise each outcome is
    recorded before the next row starts;
 3. the rules that end a chunk early live once, in the ``should_stop`` the service asks before each row or pack:
-   the runner is stopping, or a cancel or a pause arrived (read in the transaction of every record); and, once at
-   least one row was recorded (a chunk always makes progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is
-   spent or an interactive request waits for the gate (interactive first, DESIGN §5). A row or pack that already started
-   always finishes and is recorded. Batched generation keeps many rows in flight and asks before every decode step:
-   all rules but the time bound (``Call.interrupt``) end it at once, dropping its rows in flight unrecorded (they
-   stay pending); the time bound only stops new rows from starting while the rows in flight finish.
+   the runner is stopping, a cancel or a pause arrived (read in the transaction of every record), the claim was
+   lost, the balance ran out or the batch expired; and, once at least one row was recorded (a chunk always makes
+   progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is spent. A waiting interactive request ends nothing:
+   the engine's step scheduler starts it at the next decode step beside the rows in flight. A row or pack that
+   already started always finishes and is recorded. Batched generation keeps many rows in flight and asks before
+   every decode step: all rules but the time bound (``Call.interrupt``) end it at once, dropping its rows in flight
+   unrecorded (they stay pending); the time bound only stops new rows from starting while the rows in flight
+   finish.
 
 Rows left unrecorded stay pending; the caller releases the claim. Because the loop only consumes an async iterator of
 outcomes, an executor that keeps several requests in flight (an upstream pool, batched generation) plugs into the

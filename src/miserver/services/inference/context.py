@@ -76,8 +76,8 @@ class Call:
 
     ``should_stop``, when set, is asked by a many-rows call (``create_many``) before each pack or row it starts;
     once it answers true the remaining rows are left unrun and not yielded (the batch runner's time bound).
-    ``interrupt``, when set, holds the part of those rules that must also end work already in flight (a waiting
-    interactive request, a cancel, the runner stopping; not the time bound): batched generation asks it before every
+    ``interrupt``, when set, holds the part of those rules that must also end work already in flight (a cancel, a
+    pause, a lost claim, the runner stopping; not the time bound): batched generation asks it before every
     decode step and drops the rows in flight once it is true, while ``should_stop`` alone only stops new rows from
     starting (the rows in flight finish). Without ``interrupt``, ``should_stop`` plays both parts.
     """
