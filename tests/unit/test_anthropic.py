@@ -20,7 +20,8 @@ from miserver.errors import APIError, ConflictError, EngineUnavailableError, Not
 from miserver.protocol.anthropic import MessageBatch
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.batch_api import message_batches
-from miserver.services.inference import messages
+from miserver.services.inference import messages, messages_chat
+from miserver.services.inference.chat import Extras
 from miserver.services.inference.context import ServiceContext
 from miserver.store import Store
 from miserver.store import batches as sb
@@ -30,6 +31,20 @@ from miserver.store.batches import BatchRecord
 
 MODEL = "tiny"
 ENDPOINT = "/anthropic/v1/messages"
+OBJECT = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOL = {"name": "f", "description": "Weather of a city", "input_schema": OBJECT}
+#: a user turn, then the assistant's call of ``f``
+CALLED: list[dict[str, Any]] = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"city": "Paris"}},
+        ],
+    },
+]
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1"}
 
 
 @pytest.fixture
@@ -78,8 +93,39 @@ def test_valid_bodies(ctx: ServiceContext) -> None:
         ({"messages": []}, "invalid_value", "messages"),
         ({"temperature": 1.5}, "invalid_value", "temperature"),
         ({"top_k": -1}, "invalid_value", "top_k"),
-        ({"tools": [{"name": "f"}]}, "unsupported_parameter", "tools"),
-        ({"tool_choice": {"type": "any"}}, "unsupported_parameter", "tool_choice"),
+        ({"tools": [{"name": "f"}]}, "missing_required_parameter", "tools[0].input_schema"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "invalid_value", "tools[0].input_schema"),
+        ({"tools": [{"name": "no spaces", "input_schema": OBJECT}]}, "invalid_value", "tools[0].name"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "unsupported_value", "tools[0].type"),
+        (
+            {"tools": [{"name": "f", "input_schema": OBJECT, "strict": True}]},
+            "unsupported_parameter",
+            "tools[0].strict",
+        ),
+        (
+            {"tools": [{"name": "f", "input_schema": OBJECT, "cache_control": {"type": "ephemeral"}}]},
+            "unsupported_parameter",
+            "tools[0].cache_control",
+        ),
+        ({"tool_choice": {"type": "any"}}, "invalid_value", "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "g"}}, "invalid_value", "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "invalid_value", "tool_choice.name"),
+        ({"tools": [TOOL], "tool_choice": {"type": "sometimes"}}, "invalid_value", "tool_choice.type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}]},
+            "invalid_value",
+            "messages[0].content[0].tool_use_id",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+            "invalid_value",
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [*CALLED, {"role": "user", "content": [RESULT | {"content": [{"type": "image"}]}]}]},
+            "unsupported_value",
+            "messages[2].content[0].content[0].type",
+        ),
         ({"thinking": {"type": "enabled", "budget_tokens": 2000}}, "unsupported_parameter", "thinking"),
         ({"service_tier": "priority"}, "unsupported_parameter", "service_tier"),
         ({"cache_control": {"type": "ephemeral"}}, "unsupported_parameter", "cache_control"),
@@ -150,7 +196,8 @@ def test_chat_body_translation(ctx: ServiceContext) -> None:
         ),
         strict=True,
     )
-    assert messages.chat_body(req) == {
+    translated, extras = messages_chat.chat_body(req)
+    assert translated == {
         "model": MODEL,
         "messages": [
             {"role": "system", "content": "Be brief."},
@@ -162,14 +209,90 @@ def test_chat_body_translation(ctx: ServiceContext) -> None:
         "temperature": 0.0,
         "top_p": 0.5,
     }
+    assert (extras.stop, extras.top_k) == (("x",), 7)
+    assert extras.relayed(translated) == {**translated, "stop": ["x"], "top_k": 7}
+
+
+def test_tools_translation() -> None:
+    """tools, tool_choice, tool_use and tool_result blocks as chat's tools, tool_choice, tool_calls and tool turns."""
+    result = RESULT | {"content": [{"type": "text", "text": "18 C"}], "is_error": False}
+    failed = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "timeout", "is_error": True}
+    turns = [*CALLED, {"role": "user", "content": [result, failed, {"type": "text", "text": "And now?"}]}]
+    for choice, chat_choice in (
+        ({"type": "any", "disable_parallel_tool_use": True}, "required"),
+        ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}}),
+        ({"type": "auto"}, "auto"),
+        ({"type": "none"}, "none"),
+    ):
+        req = messages.parse(body(tools=[TOOL], tool_choice=choice, messages=turns), strict=True)
+        translated, _extras = messages_chat.chat_body(req)
+        assert translated["tool_choice"] == chat_choice
+    assert translated["tools"] == [
+        {"type": "function", "function": {"name": "f", "description": "Weather of a city", "parameters": OBJECT}}
+    ]
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    assert translated["messages"] == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: timeout"},
+        {"role": "user", "content": "And now?"},
+    ]
+
+
+def test_answer_translation() -> None:
+    """A chat completion's tool call as a tool_use block (toolu_ id, input object), its finish reason as stop_reason;
+    the stop sequence that ended it from the resident engine's report or from an upstream's choice."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
+    call = {"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"city": "Rome"}'}}
+    said = {"role": "assistant", "content": None, "tool_calls": [call]}
+    completion = {
+        "model": "m",
+        "choices": [{"index": 0, "message": said, "finish_reason": "tool_calls"}],
+        "usage": usage,
+    }
+    m = messages_chat.message(completion, "msg_1", Extras())
+    assert [b.model_dump() for b in m.content] == [
+        {"type": "tool_use", "id": "toolu_abc", "name": "f", "input": {"city": "Rome"}}
+    ]
+    assert (m.stop_reason, m.stop_sequence, m.usage.input_tokens, m.usage.output_tokens) == ("tool_use", None, 9, 4)
+    text = {"role": "assistant", "content": "Hi"}
+    upstream = {"model": "m", "choices": [{"index": 0, "message": text, "finish_reason": "stop", "stop_reason": "!"}]}
+    m = messages_chat.message(upstream | {"usage": usage}, "msg_2", Extras(stop=("!",)))
+    assert (m.content[0].model_dump(), m.stop_reason, m.stop_sequence) == (
+        {"type": "text", "text": "Hi"},
+        "stop_sequence",
+        "!",
+    )
+    resident = Extras(stop=("?",), matched={0: "?"})
+    assert messages_chat.message(upstream | {"usage": usage}, "msg_3", resident).stop_sequence == "?"
+    bad = dict(
+        completion,
+        choices=[
+            {
+                "index": 0,
+                "message": said | {"tool_calls": [call | {"function": {"name": "f", "arguments": "[1]"}}]},
+                "finish_reason": "tool_calls",
+            }
+        ],
+    )
+    with pytest.raises(APIError) as info:
+        messages_chat.message(bad, "msg_4", Extras(), "'a'")
+    assert (info.value.status_code, info.value.code) == (502, "upstream_bad_response")
 
 
 @pytest.mark.parametrize(
     ("finish", "stop", "reason"),
-    [("length", None, "max_tokens"), ("stop", None, "end_turn"), ("stop", "\n", "stop_sequence")],
+    [
+        ("length", None, "max_tokens"),
+        ("stop", None, "end_turn"),
+        ("stop", "\n", "stop_sequence"),
+        ("tool_calls", None, "tool_use"),
+        ("content_filter", None, "refusal"),
+    ],
 )
 def test_stop_reason(finish: Any, stop: str | None, reason: str) -> None:
-    assert messages.stop_reason(finish, stop) == reason
+    assert messages_chat.stop_reason(finish, stop) == reason
 
 
 # -- the error envelope --------------------------------------------------------------------------------------------
@@ -190,7 +313,7 @@ def test_answer_for_picks_the_dialect() -> None:
 
 def test_batch_error_lines_carry_the_routes_body(ctx: ServiceContext) -> None:
     """A refused Messages line (at validation or while running) carries the Anthropic body the route answers."""
-    raw = json.dumps({"custom_id": "a", "method": "POST", "url": ENDPOINT, "body": body(tools=[{"n": 1}])})
+    raw = json.dumps({"custom_id": "a", "method": "POST", "url": ENDPOINT, "body": body(thinking={"type": "enabled"})})
     checked = check_line(ctx, ENDPOINT, raw.encode(), set())
     assert checked.error is not None
     sync_status, sync_body = checked.error.answer_for(ENDPOINT)
