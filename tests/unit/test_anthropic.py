@@ -21,7 +21,6 @@ from miserver.protocol.anthropic import MessageBatch
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.batch_api import message_batches
 from miserver.services.inference import messages, messages_chat
-from miserver.services.inference.chat import Extras
 from miserver.services.inference.context import ServiceContext
 from miserver.store import Store
 from miserver.store import batches as sb
@@ -211,88 +210,6 @@ def test_chat_body_translation(ctx: ServiceContext) -> None:
     }
     assert (extras.stop, extras.top_k) == (("x",), 7)
     assert extras.relayed(translated) == {**translated, "stop": ["x"], "top_k": 7}
-
-
-def test_tools_translation() -> None:
-    """tools, tool_choice, tool_use and tool_result blocks as chat's tools, tool_choice, tool_calls and tool turns."""
-    result = RESULT | {"content": [{"type": "text", "text": "18 C"}], "is_error": False}
-    failed = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "timeout", "is_error": True}
-    turns = [*CALLED, {"role": "user", "content": [result, failed, {"type": "text", "text": "And now?"}]}]
-    for choice, chat_choice in (
-        ({"type": "any", "disable_parallel_tool_use": True}, "required"),
-        ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}}),
-        ({"type": "auto"}, "auto"),
-        ({"type": "none"}, "none"),
-    ):
-        req = messages.parse(body(tools=[TOOL], tool_choice=choice, messages=turns), strict=True)
-        translated, _extras = messages_chat.chat_body(req)
-        assert translated["tool_choice"] == chat_choice
-    assert translated["tools"] == [
-        {"type": "function", "function": {"name": "f", "description": "Weather of a city", "parameters": OBJECT}}
-    ]
-    call = {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
-    assert translated["messages"] == [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: timeout"},
-        {"role": "user", "content": "And now?"},
-    ]
-
-
-def test_answer_translation() -> None:
-    """A chat completion's tool call as a tool_use block (toolu_ id, input object), its finish reason as stop_reason;
-    the stop sequence that ended it from the resident engine's report or from an upstream's choice."""
-    usage = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
-    call = {"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": '{"city": "Rome"}'}}
-    said = {"role": "assistant", "content": None, "tool_calls": [call]}
-    completion = {
-        "model": "m",
-        "choices": [{"index": 0, "message": said, "finish_reason": "tool_calls"}],
-        "usage": usage,
-    }
-    m = messages_chat.message(completion, "msg_1", Extras())
-    assert [b.model_dump() for b in m.content] == [
-        {"type": "tool_use", "id": "toolu_abc", "name": "f", "input": {"city": "Rome"}}
-    ]
-    assert (m.stop_reason, m.stop_sequence, m.usage.input_tokens, m.usage.output_tokens) == ("tool_use", None, 9, 4)
-    text = {"role": "assistant", "content": "Hi"}
-    upstream = {"model": "m", "choices": [{"index": 0, "message": text, "finish_reason": "stop", "stop_reason": "!"}]}
-    m = messages_chat.message(upstream | {"usage": usage}, "msg_2", Extras(stop=("!",)))
-    assert (m.content[0].model_dump(), m.stop_reason, m.stop_sequence) == (
-        {"type": "text", "text": "Hi"},
-        "stop_sequence",
-        "!",
-    )
-    resident = Extras(stop=("?",), matched={0: "?"})
-    assert messages_chat.message(upstream | {"usage": usage}, "msg_3", resident).stop_sequence == "?"
-    bad = dict(
-        completion,
-        choices=[
-            {
-                "index": 0,
-                "message": said | {"tool_calls": [call | {"function": {"name": "f", "arguments": "[1]"}}]},
-                "finish_reason": "tool_calls",
-            }
-        ],
-    )
-    with pytest.raises(APIError) as info:
-        messages_chat.message(bad, "msg_4", Extras(), "'a'")
-    assert (info.value.status_code, info.value.code) == (502, "upstream_bad_response")
-
-
-@pytest.mark.parametrize(
-    ("finish", "stop", "reason"),
-    [
-        ("length", None, "max_tokens"),
-        ("stop", None, "end_turn"),
-        ("stop", "\n", "stop_sequence"),
-        ("tool_calls", None, "tool_use"),
-        ("content_filter", None, "refusal"),
-    ],
-)
-def test_stop_reason(finish: Any, stop: str | None, reason: str) -> None:
-    assert messages_chat.stop_reason(finish, stop) == reason
 
 
 # -- the error envelope --------------------------------------------------------------------------------------------
