@@ -103,6 +103,9 @@ def test_answer_translation() -> None:
     with pytest.raises(APIError) as info:
         messages_chat.message(bad, "msg_4", Extras(), "'a'")
     assert (info.value.status_code, info.value.code) == (502, "upstream_bad_response")
+    with pytest.raises(APIError) as info:
+        messages_chat.message({"model": "m", "choices": []}, "msg_5", Extras(), "'a'")
+    assert (info.value.status_code, info.value.code) == (502, "upstream_bad_response")
 
 
 @pytest.mark.parametrize(

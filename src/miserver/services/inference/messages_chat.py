@@ -246,28 +246,38 @@ def tool_use_id(call_id: Any) -> str:
     return text if text.startswith("toolu_") else "toolu_" + text.removeprefix("call_")
 
 
+def _bad_answer(upstream: str, what: str) -> UpstreamError:
+    """502 ``upstream_bad_response``: the upstream's chat completion cannot be read as a Message (only an upstream can
+    answer so: the resident engine's answers are built here)."""
+    envelope = {
+        "message": f"The upstream {upstream} answered {what}.",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_bad_response",
+    }
+    return UpstreamError(502, {"error": envelope})
+
+
 def tool_input(arguments: Any, upstream: str) -> dict[str, Any]:
     """A tool call's arguments (JSON text) as a ``tool_use`` input; 502 ``upstream_bad_response`` when they are not
-    a JSON object (only an upstream can answer so: the resident engine's calls are parsed objects)."""
+    a JSON object."""
     try:
         value = json.loads(arguments) if isinstance(arguments, str) else None
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        envelope = {
-            "message": f"The upstream {upstream} answered a tool call whose arguments are not a JSON object.",
-            "type": "server_error",
-            "param": None,
-            "code": "upstream_bad_response",
-        }
-        raise UpstreamError(502, {"error": envelope})
+        raise _bad_answer(upstream, "a tool call whose arguments are not a JSON object")
     return value
 
 
 def message(completion: dict[str, Any], message_id: str, extras: Extras, upstream: str = "") -> Message:
-    """The Message of a chat completion (its first choice: Messages asks for one)."""
-    choice = completion["choices"][0]
-    said = choice.get("message") or {}
+    """The Message of a chat completion (its first choice: Messages asks for one); 502 ``upstream_bad_response``
+    for a completion without a choice or a tool call whose arguments are not a JSON object."""
+    choices = completion.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    said = choice.get("message") if choice is not None else None
+    if choice is None or not isinstance(said, dict):
+        raise _bad_answer(upstream, "a chat completion without a message")
     content: list[TextBlock | ToolUseBlock] = []
     if said.get("content") or not said.get("tool_calls"):
         content.append(TextBlock(text=said.get("content") or ""))
