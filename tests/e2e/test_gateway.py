@@ -222,6 +222,8 @@ def test_anthropic_messages_are_relayed_as_chat_requests(fleet: dict[str, Any]) 
     assert called.stop_reason == "tool_use"
     assert [(b.type, b.name, b.input) for b in called.content] == [("tool_use", "f", {})]  # type: ignore[union-attr]
     assert called.content[0].id.startswith("toolu_")  # type: ignore[union-attr]
+    counted = gateway.http().post("/anthropic/v1/messages/count_tokens", json={"model": UP, "messages": turns})
+    assert counted.status_code == 400 and f"'{UP}' is served by upstream 'a', 'b'" in counted.json()["error"]["message"]
 
 
 def test_a_message_batch_relays_its_upstream_requests(fleet: dict[str, Any]) -> None:

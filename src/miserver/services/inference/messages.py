@@ -131,9 +131,18 @@ def count_tokens(ctx: ServiceContext, body: Any, *, strict: bool) -> dict[str, i
     """``POST /anthropic/v1/messages/count_tokens``: ``{"input_tokens": n}``, the prompt's tokens exactly as a
     Messages request with this ``model``, ``system``, ``messages``, ``tools`` and ``tool_choice`` would count them
     (the chat template and the tool prompt included). Raises 400 for the schema, unknown (strict) and unsupported
-    fields and 404 ``model_not_found``, as :func:`check_local` does (a model served upstream is a 400: its tokenizer
-    is not here); nothing runs on the engine."""
-    parse_request(CountTokensRequest, body, strict=strict)  # a dict, its fields known (or ignored: not strict)
+    fields and 404 ``model_not_found``, as :func:`check_local` does, and 400 ``unsupported_value`` on ``model`` for a
+    model served upstream (its tokenizer is not here); nothing runs on the engine."""
+    asked = parse_request(CountTokensRequest, body, strict=strict)  # a dict, its fields known (or ignored: not strict)
+    pool = routing.target(ctx, body)
+    if pool is not None:
+        names = ", ".join(f"'{u.name}'" for u in pool.members)
+        raise UnsupportedValueError(
+            f"The model '{asked.model}' is served by upstream {names}: its tokenizer is not here, so its prompts "
+            "cannot be counted (upstreams do not count tokens). A Messages request to it reports its "
+            "'usage.input_tokens'.",
+            param="model",
+        )
     prompt = {name: value for name, value in body.items() if name in CountTokensRequest.model_fields}
     req, _engine = check_local(ctx, {**prompt, "max_tokens": 1}, strict=True)
     translated, extras = chat_body(req)
