@@ -24,6 +24,10 @@ MESSAGES = "/anthropic/v1/messages"
 USER: list[MessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
 #: ``temperature`` is no keyword of the SDK's ``messages.create`` any more; the API (and this server) still takes it.
 GREEDY = {"temperature": 0.0}
+#: a tool that takes no arguments: the call the grammar forces on the random tiny model is short
+CLOSED = {"type": "object", "properties": {}, "additionalProperties": False}
+#: a server tool (Anthropic runs it on its side): refused on its type
+SERVER_TOOL = {"type": "web_search_20250305", "name": "web_search"}
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +152,15 @@ def test_raw_event_sequence(http: httpx.Client) -> None:
 
 def test_error_envelope(claude: anthropic.Anthropic, http: httpx.Client) -> None:
     with pytest.raises(anthropic.BadRequestError) as exc:
-        claude.messages.create(model="tiny", messages=USER, max_tokens=5, tools=[{"name": "x", "input_schema": {}}])
+        claude.messages.create(model="tiny", messages=USER, max_tokens=5, tools=[SERVER_TOOL])  # type: ignore[list-item]
     assert exc.value.status_code == 400
     assert exc.value.body == {
         "type": "error",
         "error": {
             "type": "invalid_request_error",
-            "message": "Unsupported parameter: 'tools' is not supported by this server.",
+            "message": "Invalid value for 'tools[0].type': 'web_search_20250305' is a server tool, which this server "
+            "does not run; only client tools (a 'name', a 'description' and an 'input_schema', 'type' absent or "
+            "'custom') are supported.",
         },
     }
     with pytest.raises(anthropic.NotFoundError) as missing:
@@ -172,7 +178,10 @@ def test_error_envelope(claude: anthropic.Anthropic, http: httpx.Client) -> None
 #: Bodies each route refuses, by what is wrong with them.
 REFUSED: dict[str, dict[str, Any]] = {
     "no_max_tokens": {"model": "tiny", "messages": USER},
-    "tools": body(tools=[{"name": "t", "input_schema": {"type": "object"}}]),
+    "server_tool": body(tools=[SERVER_TOOL]),
+    "tool_schema": body(tools=[{"name": "t", "input_schema": {"type": "array"}}]),
+    "tool_result": body()
+    | {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_none"}]}]},
     "thinking": body(thinking={"type": "enabled", "budget_tokens": 1024}),
     "image": body()
     | {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
@@ -226,7 +235,9 @@ def test_refused_bodies_name_the_param(http: httpx.Client) -> None:
     """Each refusal is a 400 (404 for the model) whose message names the field."""
     named = {
         "no_max_tokens": "'max_tokens'",
-        "tools": "'tools'",
+        "server_tool": "'tools[0].type'",
+        "tool_schema": "'tools[0].input_schema'",
+        "tool_result": "'messages[0].content[0].tool_use_id'",
         "thinking": "'thinking'",
         "image": "'messages[0].content[0].type'",
         "unknown_block": "'messages[0].content[0].type'",
@@ -258,7 +269,7 @@ def wait_ended(claude: anthropic.Anthropic, batch_id: str) -> Any:
 def test_message_batch_lifecycle(claude: anthropic.Anthropic, client: openai.OpenAI, http: httpx.Client) -> None:
     """create, retrieve, list, results, delete with the SDK; the same durable batch under /v1/batches."""
     requests: list[Any] = [{"custom_id": f"r-{i}", "params": body(f"Row {i}.", temperature=0.0)} for i in range(3)]
-    requests.append({"custom_id": "bad", "params": body(tools=[{"name": "t", "input_schema": {"type": "object"}}])})
+    requests.append({"custom_id": "bad", "params": body(tools=[SERVER_TOOL])})
     requests.append({"custom_id": "long", "params": body(max_tokens=10**6)})
     created = claude.messages.batches.create(requests=requests)
     assert created.id.startswith("msgbatch_") and created.type == "message_batch"
@@ -280,7 +291,7 @@ def test_message_batch_lifecycle(claude: anthropic.Anthropic, client: openai.Ope
         assert ok.message.content == sync.content and ok.message.usage == sync.usage
     bad = results["bad"]
     assert bad.type == "errored" and bad.error.error.type == "invalid_request_error"
-    assert "'tools'" in bad.error.error.message
+    assert "'tools[0].type'" in bad.error.error.message
     assert results["long"].type == "errored" and "context length" in results["long"].error.error.message
     listed = [b.id for b in claude.messages.batches.list(limit=100)]
     assert created.id in listed
@@ -354,6 +365,12 @@ def test_count_tokens_equals_what_the_message_is_charged(claude: anthropic.Anthr
     counted = claude.messages.count_tokens(model="tiny", messages=messages, system="You are terse.")
     sent = claude.messages.create(model="tiny", max_tokens=2, messages=messages, system="You are terse.")
     assert counted.input_tokens == sent.usage.input_tokens > 0
+    closed: Any = {"name": "f", "description": "Does f.", "input_schema": CLOSED}
+    tools: Any = {"tools": [closed], "tool_choice": {"type": "any"}}
+    with_tools = claude.messages.count_tokens(model="tiny", messages=messages, **tools)
+    assert with_tools.input_tokens > counted.input_tokens, "the tool prompt is counted"
+    called = claude.messages.create(model="tiny", max_tokens=24, messages=messages, extra_body=GREEDY, **tools)
+    assert called.usage.input_tokens == with_tools.input_tokens and called.stop_reason == "tool_use"
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.count_tokens(model="no-such-model", messages=messages)
     with pytest.raises(anthropic.BadRequestError):

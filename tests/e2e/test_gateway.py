@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -32,6 +33,8 @@ FAKES: dict[str, dict[str, Any]] = {
     "errchunk": {"error_chunk": True},
     "gone": {"delay": 0.3},
 }
+#: a tool that takes no arguments: the call the grammar forces on the random tiny model is short
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -159,24 +162,95 @@ def test_a_cut_stream_or_an_error_chunk_is_an_error(client: openai.OpenAI, model
     ("path", "body"),
     [
         ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}),
-        ("/anthropic/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
     ],
 )
 def test_a_resident_only_route_naming_an_upstream_model_says_so(
     fleet: dict[str, Any], path: str, body: dict[str, Any]
 ) -> None:
-    """Responses and Anthropic Messages run on the resident model only: naming an upstream model is a 400 that says
-    which upstream serves it and which routes are relayed (it was a 404 saying the model does not exist, while
-    listing it among the models served)."""
+    """Responses run on the resident model only: naming an upstream model is a 400 that says which upstream serves
+    it and which routes are relayed (it was a 404 saying the model does not exist, while listing it among the models
+    served)."""
     answer = fleet["gateway"].http().post(path, json={"model": UP, **body})
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
-    if path.startswith("/anthropic/"):
-        assert error["type"] == "invalid_request_error"
-    else:
-        assert (error["code"], error["param"]) == ("unsupported_value", "model")
+    assert (error["code"], error["param"]) == ("unsupported_value", "model")
     assert f"'{UP}' is served by upstream 'a', 'b'" in error["message"]
     assert "/v1/chat/completions, /v1/completions, /v1/embeddings" in error["message"]
+
+
+def test_anthropic_messages_are_relayed_as_chat_requests(fleet: dict[str, Any]) -> None:
+    """A Messages request naming an upstream model goes to it as the equivalent chat request: the Message carries
+    the upstream's answer (what it gives that chat request directly), streamed too; a forced call of a tool is a
+    ``tool_use`` block (the upstream miServer makes it)."""
+    gateway, direct = fleet["gateway"], fleet["a"].http()
+    claude = anthropic.Anthropic(
+        base_url=gateway.base_url + "/anthropic", api_key="k", _strict_response_validation=True
+    )
+    turns: Any = [{"role": "user", "content": "Name a colour."}]
+    m = claude.messages.with_raw_response.create(
+        model=UP, max_tokens=6, system="Be brief.", messages=turns, extra_body={"temperature": 0}
+    )
+    assert m.headers["x-millm-backend"] in ("upstream:a", "upstream:b") and m.headers["x-millm-model"] == UP
+    message = m.parse()
+    body = {"model": UP, "max_tokens": 6, "temperature": 0, "messages": [{"role": "system", "content": "Be brief."}]}
+    straight = direct.post("/v1/chat/completions", json={**body, "messages": body["messages"] + turns}).json()
+    assert message.model == UP and [b.type for b in message.content] == ["text"]
+    assert message.content[0].text == straight["choices"][0]["message"]["content"]  # type: ignore[union-attr]
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (
+        straight["usage"]["prompt_tokens"],
+        straight["usage"]["completion_tokens"],
+    )
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[straight["choices"][0]["finish_reason"]]
+    with claude.messages.stream(
+        model=UP, max_tokens=6, system="Be brief.", messages=turns, extra_body={"temperature": 0}
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, b.text) for b in streamed.content] == [("text", message.content[0].text)]  # type: ignore[union-attr]
+    assert (streamed.usage.input_tokens, streamed.usage.output_tokens) == (
+        message.usage.input_tokens,
+        message.usage.output_tokens,
+    )
+    closed: Any = {"name": "f", "description": "Does f.", "input_schema": NO_ARGUMENTS}
+    called = claude.messages.create(
+        model=UP,
+        max_tokens=24,
+        messages=turns,
+        tools=[closed],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
+    assert called.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in called.content] == [("tool_use", "f", {})]  # type: ignore[union-attr]
+    assert called.content[0].id.startswith("toolu_")  # type: ignore[union-attr]
+    counted = gateway.http().post("/anthropic/v1/messages/count_tokens", json={"model": UP, "messages": turns})
+    assert counted.status_code == 400 and f"'{UP}' is served by upstream 'a', 'b'" in counted.json()["error"]["message"]
+
+
+def test_a_message_batch_relays_its_upstream_requests(fleet: dict[str, Any]) -> None:
+    """A Message Batch whose requests name the resident model and an upstream one: each result is the synchronous
+    answer (the upstream's requests relayed as chat requests, a tool call included)."""
+    claude = anthropic.Anthropic(base_url=fleet["gateway"].base_url + "/anthropic", api_key="k", max_retries=0)
+    closed = {"name": "f", "input_schema": NO_ARGUMENTS}
+    params: list[dict[str, Any]] = [
+        {"model": model, "max_tokens": 6, "messages": [{"role": "user", "content": f"Row {i}"}], "temperature": 0}
+        for i, model in enumerate(["tiny", UP, UP])
+    ]
+    params.append({**params[1], "max_tokens": 24, "tools": [closed], "tool_choice": {"type": "any"}})
+    created = claude.messages.batches.create(
+        requests=[{"custom_id": f"m{i}", "params": p} for i, p in enumerate(params)]
+    )  # type: ignore[misc]
+    wait_for(lambda: claude.messages.batches.retrieve(created.id).processing_status == "ended", timeout=300)
+    results = {r.custom_id: r.result for r in claude.messages.batches.results(created.id)}
+    http = fleet["gateway"].http()
+    for i, p in enumerate(params):
+        result = results[f"m{i}"]
+        assert result.type == "succeeded", result
+        sync = http.post("/anthropic/v1/messages", json=p).json()
+        got = result.message.model_dump(exclude_none=True)
+        # each call has its own id
+        blocks = [[{k: v for k, v in b.items() if k != "id"} for b in m["content"]] for m in (got, sync)]
+        assert blocks[0] == blocks[1] and (got["usage"], got["stop_reason"]) == (sync["usage"], sync["stop_reason"])
+    assert results["m3"].message.stop_reason == "tool_use"  # type: ignore[union-attr]
 
 
 def test_503_is_retried_with_one_request_id_until_it_recovers(fleet: dict[str, Any], client: openai.OpenAI) -> None:

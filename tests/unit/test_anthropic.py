@@ -20,7 +20,7 @@ from miserver.errors import APIError, ConflictError, EngineUnavailableError, Not
 from miserver.protocol.anthropic import MessageBatch
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.batch_api import message_batches
-from miserver.services.inference import messages
+from miserver.services.inference import messages, messages_chat
 from miserver.services.inference.context import ServiceContext
 from miserver.store import Store
 from miserver.store import batches as sb
@@ -30,6 +30,20 @@ from miserver.store.batches import BatchRecord
 
 MODEL = "tiny"
 ENDPOINT = "/anthropic/v1/messages"
+OBJECT = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOL = {"name": "f", "description": "Weather of a city", "input_schema": OBJECT}
+#: a user turn, then the assistant's call of ``f``
+CALLED: list[dict[str, Any]] = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"city": "Paris"}},
+        ],
+    },
+]
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1"}
 
 
 @pytest.fixture
@@ -78,8 +92,39 @@ def test_valid_bodies(ctx: ServiceContext) -> None:
         ({"messages": []}, "invalid_value", "messages"),
         ({"temperature": 1.5}, "invalid_value", "temperature"),
         ({"top_k": -1}, "invalid_value", "top_k"),
-        ({"tools": [{"name": "f"}]}, "unsupported_parameter", "tools"),
-        ({"tool_choice": {"type": "any"}}, "unsupported_parameter", "tool_choice"),
+        ({"tools": [{"name": "f"}]}, "missing_required_parameter", "tools[0].input_schema"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "invalid_value", "tools[0].input_schema"),
+        ({"tools": [{"name": "no spaces", "input_schema": OBJECT}]}, "invalid_value", "tools[0].name"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "unsupported_value", "tools[0].type"),
+        (
+            {"tools": [{"name": "f", "input_schema": OBJECT, "strict": True}]},
+            "unsupported_parameter",
+            "tools[0].strict",
+        ),
+        (
+            {"tools": [{"name": "f", "input_schema": OBJECT, "cache_control": {"type": "ephemeral"}}]},
+            "unsupported_parameter",
+            "tools[0].cache_control",
+        ),
+        ({"tool_choice": {"type": "any"}}, "invalid_value", "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "g"}}, "invalid_value", "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "invalid_value", "tool_choice.name"),
+        ({"tools": [TOOL], "tool_choice": {"type": "sometimes"}}, "invalid_value", "tool_choice.type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}]},
+            "invalid_value",
+            "messages[0].content[0].tool_use_id",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+            "invalid_value",
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [*CALLED, {"role": "user", "content": [RESULT | {"content": [{"type": "image"}]}]}]},
+            "unsupported_value",
+            "messages[2].content[0].content[0].type",
+        ),
         ({"thinking": {"type": "enabled", "budget_tokens": 2000}}, "unsupported_parameter", "thinking"),
         ({"service_tier": "priority"}, "unsupported_parameter", "service_tier"),
         ({"cache_control": {"type": "ephemeral"}}, "unsupported_parameter", "cache_control"),
@@ -150,7 +195,8 @@ def test_chat_body_translation(ctx: ServiceContext) -> None:
         ),
         strict=True,
     )
-    assert messages.chat_body(req) == {
+    translated, extras = messages_chat.chat_body(req)
+    assert translated == {
         "model": MODEL,
         "messages": [
             {"role": "system", "content": "Be brief."},
@@ -162,14 +208,8 @@ def test_chat_body_translation(ctx: ServiceContext) -> None:
         "temperature": 0.0,
         "top_p": 0.5,
     }
-
-
-@pytest.mark.parametrize(
-    ("finish", "stop", "reason"),
-    [("length", None, "max_tokens"), ("stop", None, "end_turn"), ("stop", "\n", "stop_sequence")],
-)
-def test_stop_reason(finish: Any, stop: str | None, reason: str) -> None:
-    assert messages.stop_reason(finish, stop) == reason
+    assert (extras.stop, extras.top_k) == (("x",), 7)
+    assert extras.relayed(translated) == {**translated, "stop": ["x"], "top_k": 7}
 
 
 # -- the error envelope --------------------------------------------------------------------------------------------
@@ -190,7 +230,7 @@ def test_answer_for_picks_the_dialect() -> None:
 
 def test_batch_error_lines_carry_the_routes_body(ctx: ServiceContext) -> None:
     """A refused Messages line (at validation or while running) carries the Anthropic body the route answers."""
-    raw = json.dumps({"custom_id": "a", "method": "POST", "url": ENDPOINT, "body": body(tools=[{"n": 1}])})
+    raw = json.dumps({"custom_id": "a", "method": "POST", "url": ENDPOINT, "body": body(thinking={"type": "enabled"})})
     checked = check_line(ctx, ENDPOINT, raw.encode(), set())
     assert checked.error is not None
     sync_status, sync_body = checked.error.answer_for(ENDPOINT)

@@ -1,9 +1,11 @@
 """Pydantic models of Anthropic's Messages API (``POST /anthropic/v1/messages``) and Message Batches API.
 
 Source: Anthropic's API reference (Messages, Message Batches, Errors) and the shapes the official ``anthropic`` SDK
-validates. Only text is served: a content block of another known type is refused on its ``type``
-(``unsupported_value``), one of no known type too (``invalid_value``). Fields that ask for features the resident
-engine lacks (tools, extended thinking...) are declared so that the service refuses them by name.
+validates. Text and client tools are served: ``text``, ``tool_use`` and ``tool_result`` blocks are read, a content
+block of another known type is refused on its ``type`` (``unsupported_value``), one of no known type too
+(``invalid_value``). Fields that ask for features the resident engine lacks (extended thinking, MCP servers...) are
+declared so that the service refuses them by name. Tool definitions and ``tool_choice`` are in
+:mod:`miserver.protocol.anthropic_tools`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
+from .anthropic_tools import ToolChoice, ToolUnion
 from .common import RequestModel, ResponseModel
 
 #: Content block types of Anthropic's API that a text-only server cannot read or produce, with their refusal words.
@@ -20,8 +23,6 @@ UNREADABLE_BLOCKS = {
     "image": "image content",
     "document": "document content",
     "search_result": "a search result",
-    "tool_use": "a tool use",
-    "tool_result": "a tool result",
     "server_tool_use": "a server tool use",
     "web_search_tool_result": "a web search result",
     "thinking": "a thinking block",
@@ -30,21 +31,21 @@ UNREADABLE_BLOCKS = {
     "mcp_tool_use": "an MCP tool use",
     "mcp_tool_result": "an MCP tool result",
 }
-BLOCK_TYPES = ("text", *UNREADABLE_BLOCKS)
+BLOCK_TYPES = ("text", "tool_use", "tool_result", *UNREADABLE_BLOCKS)
 
 
 def _refuse_block(kind: str) -> str:
     raise PydanticCustomError(
         "unsupported_value",
-        f"{UNREADABLE_BLOCKS[kind]} ('{kind}' block) is not supported by this server, which serves text only; send "
-        "the content as a string or as 'text' blocks.",
+        f"{UNREADABLE_BLOCKS[kind]} ('{kind}' block) is not supported by this server, which reads text and client "
+        "tools only; send the content as a string or as 'text', 'tool_use' and 'tool_result' blocks.",
     )
 
 
 def _unknown_block(kind: str) -> str:
     raise PydanticCustomError(
         "invalid_value",
-        f"'{kind}' is not a content block type (this server reads 'text' blocks only).",
+        f"'{kind}' is not a content block type (this server reads 'text', 'tool_use' and 'tool_result' blocks).",
     )
 
 
@@ -58,9 +59,31 @@ class TextBlockParam(RequestModel):
     citations: Any = None
 
 
+class ToolUseBlockParam(RequestModel):
+    """An earlier call of a tool, in an ``assistant`` turn: its ``id`` (``toolu_...``, which a later ``tool_result``
+    names), the tool's ``name`` and its ``input`` object. ``cache_control`` is declared so that the service can refuse
+    it by name."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: Any = None
+
+
+class ToolResultBlockParam(RequestModel):
+    """The result of an earlier call, in a ``user`` turn: ``tool_use_id`` names the ``tool_use`` block it answers;
+    ``content`` is a string or blocks (``text`` only is read); ``is_error`` says the call failed."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[ContentBlockParam] | None = None
+    is_error: bool | None = None
+    cache_control: Any = None
+
+
 class UnreadableBlock(RequestModel):
-    """A known content block that a text-only server cannot take (image, document, tool use...): refused on
-    ``type``."""
+    """A known content block that this server cannot take (image, document, thinking...): refused on ``type``."""
 
     type: Annotated[str, AfterValidator(_refuse_block)]
 
@@ -75,16 +98,21 @@ def _block_kind(block: Any) -> str:
     kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", "text")
     if kind == "text" or not isinstance(block, (dict, RequestModel)):
         return "text"
+    if kind in ("tool_use", "tool_result"):
+        return str(kind)
     return "unreadable" if isinstance(kind, str) and kind in UNREADABLE_BLOCKS else "unknown"
 
 
 #: One content block, told apart by its ``type`` so that an error names the right field.
 ContentBlockParam = Annotated[
     Annotated[TextBlockParam, Tag("text")]
+    | Annotated[ToolUseBlockParam, Tag("tool_use")]
+    | Annotated[ToolResultBlockParam, Tag("tool_result")]
     | Annotated[UnreadableBlock, Tag("unreadable")]
     | Annotated[UnknownBlock, Tag("unknown")],
     Discriminator(_block_kind),
 ]
+ToolResultBlockParam.model_rebuild()
 
 
 def blocks_text(content: str | list[Any]) -> str:
@@ -115,7 +143,7 @@ class MessagesRequest(RequestModel):
     """The body of ``POST /anthropic/v1/messages`` (and the ``params`` of a Message Batch request).
 
     ``max_tokens`` is required, as in Anthropic's API; ``temperature`` is 0..1 (default 1). The fields after
-    ``stream`` are declared so that the service refuses them by name (``unsupported_parameter``).
+    ``tool_choice`` are declared so that the service refuses them by name (``unsupported_parameter``).
     """
 
     model: str
@@ -128,8 +156,8 @@ class MessagesRequest(RequestModel):
     top_k: int | None = Field(None, ge=0)
     metadata: RequestMetadata | None = None
     stream: bool | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolUnion] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Any = None
     mcp_servers: list[Any] | None = None
     container: Any = None
@@ -145,7 +173,7 @@ class MessagesRequest(RequestModel):
 
 # -- the Message ---------------------------------------------------------------------------------------------------
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]
 
 
 class TextBlock(ResponseModel):
@@ -153,6 +181,15 @@ class TextBlock(ResponseModel):
 
     type: Literal["text"] = "text"
     text: str
+
+
+class ToolUseBlock(ResponseModel):
+    """A call of a tool in the answer: ``id`` ``toolu_...``, the tool's ``name``, its ``input`` (a JSON object)."""
+
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
 
 
 class MessageUsage(ResponseModel):
@@ -165,12 +202,12 @@ class MessageUsage(ResponseModel):
 
 
 class Message(ResponseModel):
-    """Anthropic's Message object: ``id`` ``msg_...``, one text block, the stop reason and usage."""
+    """Anthropic's Message object: ``id`` ``msg_...``, one text block or the tool calls, the stop reason and usage."""
 
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextBlock]
+    content: list[TextBlock | ToolUseBlock]
     model: str
     stop_reason: StopReason | None
     stop_sequence: str | None
@@ -188,7 +225,8 @@ class MessageStartEvent(ResponseModel):
 class ContentBlockStartEvent(ResponseModel):
     type: Literal["content_block_start"] = "content_block_start"
     index: int
-    content_block: TextBlock
+    #: a ``tool_use`` block starts with ``input: {}``; its input follows in ``input_json_delta`` events
+    content_block: TextBlock | ToolUseBlock
 
 
 class TextDelta(ResponseModel):
@@ -196,10 +234,17 @@ class TextDelta(ResponseModel):
     text: str
 
 
+class InputJsonDelta(ResponseModel):
+    """A piece of a ``tool_use`` block's input as JSON text; the pieces of a block joined are its input."""
+
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
 class ContentBlockDeltaEvent(ResponseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: TextDelta
+    delta: TextDelta | InputJsonDelta
 
 
 class ContentBlockStopEvent(ResponseModel):
@@ -213,6 +258,9 @@ class MessageDelta(ResponseModel):
 
 
 class MessageDeltaUsage(ResponseModel):
+    """The stream's final counts (tokens): ``input_tokens`` too, as Anthropic's API reports them cumulatively."""
+
+    input_tokens: int
     output_tokens: int
 
 
@@ -290,14 +338,15 @@ class DeletedMessageBatch(ResponseModel):
 
 
 class CountTokensRequest(RequestModel):
-    """``POST /anthropic/v1/messages/count_tokens``: a Messages request's prompt, without ``max_tokens``. The fields
-    after ``system`` are declared so that the service refuses them by name (``unsupported_parameter``)."""
+    """``POST /anthropic/v1/messages/count_tokens``: a Messages request's prompt (its tools included), without
+    ``max_tokens``. The fields after ``tool_choice`` are declared so that the service refuses them by name
+    (``unsupported_parameter``)."""
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[ContentBlockParam] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolUnion] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Any = None
     mcp_servers: list[Any] | None = None
     context_management: Any = None

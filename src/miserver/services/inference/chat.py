@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...clock import now
-from ...engines.adapter import generation_request
+from ...engines.adapter import generation_request, normalise_stop
 from ...engines.base import (
     Engine,
     GenerationRequest,
@@ -160,6 +160,26 @@ def _logprob(lp: TokenLogprob) -> ChatTokenLogprob:
 
 
 @dataclass
+class Extras:
+    """What a service that translates another API into a chat request (Anthropic's Messages) asks beyond chat's own
+    fields, and what it reads back beyond chat's answer. In: ``stop`` (stop sequences, any number; they replace the
+    body's ``stop``) and ``top_k`` (keep the ``top_k`` most likely tokens; None: all). Out: ``matched``, the stop
+    sequence that ended each choice (by choice index), filled as the resident engine finishes it. To an upstream
+    both go as the chat body's ``stop`` and ``top_k`` (the extension vLLM, SGLang and llama.cpp take)."""
+
+    stop: tuple[str, ...] = ()
+    top_k: int | None = None
+    matched: dict[int, str] = field(default_factory=dict)
+
+    def relayed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` as it goes to an upstream, with ``stop`` and ``top_k``."""
+        extra: dict[str, Any] = {"stop": list(self.stop)} if self.stop else {}
+        if self.top_k is not None:
+            extra["top_k"] = self.top_k
+        return {**body, **extra}
+
+
+@dataclass
 class _Prepared:
     """A checked, tokenised request: everything but the engine run."""
 
@@ -170,6 +190,13 @@ class _Prepared:
     completion_id: str
     #: the request's tools, when the model may call them (``tool_choice`` other than ``none``)
     tools: Tools | None = None
+    #: what a translating service asked beyond chat's fields (see :class:`Extras`)
+    extras: Extras | None = None
+
+    def finished(self, index: int, stop_sequence: str | None) -> None:
+        """Tell the translating service which stop sequence ended choice ``index`` (if any)."""
+        if self.extras is not None and stop_sequence is not None:
+            self.extras.matched[index] = stop_sequence
 
     @property
     def scoring(self) -> bool:
@@ -177,8 +204,9 @@ class _Prepared:
         return self.gen.params.max_tokens == 1 and not self.req.stream
 
 
-def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
-    """Check, tokenise, check the context length and pick the seed (raises :class:`~miserver.errors.APIError`)."""
+def _prepare(ctx: ServiceContext, body: Any, call: Call, extras: Extras | None = None) -> _Prepared:
+    """Check, tokenise, check the context length and pick the seed (raises :class:`~miserver.errors.APIError`);
+    ``extras``' stop sequences and ``top_k`` go into the sampling parameters."""
     req, engine = check_local(ctx, body, strict=call.strict)
     tools = parse_tools(req.tools, req.tool_choice)
     prompt = engine.tokenize_chat(_messages(req, tools))
@@ -204,15 +232,19 @@ def _prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
         fairness_key=call.fairness_key,
         invariant=call.invariant,
     )
+    if extras is not None:
+        params = replace(gen.params, stop=normalise_stop(list(extras.stop)) or gen.params.stop, top_k=extras.top_k)
+        gen = replace(gen, params=params)
     headers = provenance_headers(engine, seed_header, call.lease, invariant=call.invariant, grammar=grammar)
     calling = tools if tools is not None and tools.mode != "none" else None
-    return _Prepared(req, engine, gen, headers, random_id("chatcmpl-"), calling)
+    return _Prepared(req, engine, gen, headers, random_id("chatcmpl-"), calling, extras)
 
 
 def _build(p: _Prepared, result: GenerationResult) -> ServiceResult:
     """The response of a finished generation (the same code whether the row ran alone or in a pack)."""
     choices = []
     for s in result.sequences:
+        p.finished(s.index, s.stop_sequence)
         made = _tool_call(p, s.text, s.finish_reason)
         choices.append(
             ChatChoice(
@@ -247,17 +279,21 @@ def _tool_call_out(made: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=made.id, function=FunctionCall(name=made.name, arguments=made.arguments))
 
 
-async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
+async def create(
+    ctx: ServiceContext, body: Any, call: Call, extras: Extras | None = None
+) -> ServiceResult | StreamResult:
     """Run a chat completion. Returns a :class:`ServiceResult`, or a :class:`StreamResult` when ``stream`` is true.
 
     A scoring-mode request (one token) runs as one scoring pass (``Engine.score``), which chooses its token exactly
     as generation does; any other through ``Engine.generate``. A model served by an upstream pool goes there
-    (:func:`~miserver.services.inference.routing.create`).
+    (:func:`~miserver.services.inference.routing.create`), with ``extras`` written into the body it sends.
     """
     pool = routing.target(ctx, body)
     if pool is not None:
-        return await routing.create(ctx, pool, "/v1/chat/completions", parse(body, strict=call.strict), body, call)
-    p = _prepare(ctx, body, call)
+        req = parse(body, strict=call.strict)
+        sent = body if extras is None else extras.relayed(body)
+        return await routing.create(ctx, pool, "/v1/chat/completions", req, sent, call)
+    p = _prepare(ctx, body, call, extras)
     if p.req.stream:
         include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
         counted = StreamUsage()
@@ -271,10 +307,10 @@ async def _execute(ctx: ServiceContext, p: _Prepared, call: Call) -> ServiceResu
     return _build(p, await run_prepared(ctx, p, call))
 
 
-def prepare(ctx: ServiceContext, body: Any, call: Call) -> _Prepared:
-    """Check and tokenise a chat body, pick its seed and provenance headers (raises ``APIError``): the entry of the
-    services that translate another format into a chat request (Messages, Responses), then :func:`run_prepared`."""
-    return _prepare(ctx, body, call)
+def prepare(ctx: ServiceContext, body: Any, call: Call, extras: Extras | None = None) -> _Prepared:
+    """Check and tokenise a chat body, pick its seed and provenance headers (raises ``APIError``), without running
+    it: what a translating service reads of the request it would run (Messages' ``count_tokens``)."""
+    return _prepare(ctx, body, call, extras)
 
 
 async def run_prepared(ctx: ServiceContext, p: _Prepared, call: Call) -> GenerationResult:
@@ -336,6 +372,8 @@ async def _stream(
                 if gen.params.logprobs is not None and delta.logprobs
                 else None
             )
+            if delta.finish_reason is not None:
+                p.finished(delta.index, delta.stop_sequence)
             if p.tools is not None:
                 held.setdefault(delta.index, []).append(delta.text)
                 if delta.finish_reason is None:

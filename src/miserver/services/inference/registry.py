@@ -55,6 +55,9 @@ SERVICES: dict[str, EndpointService] = {
         responses.check, billed("/v1/responses", responses.create), partial(run_each, responses.create), False
     ),
     "/anthropic/v1/messages": EndpointService(
-        messages.check, billed("/anthropic/v1/messages", messages.create), partial(run_each, messages.create), False
+        messages.check,
+        billed("/anthropic/v1/messages", messages.create),
+        routed_many("/anthropic/v1/messages", messages.parse, partial(run_each, messages.create), messages.RELAY),
+        False,
     ),
 }

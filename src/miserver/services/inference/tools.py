@@ -13,12 +13,16 @@ for a call as one JSON object ``{"name": <tool>, "arguments": {...}}`` and nothi
 
 Earlier turns go back into the prompt in the same format: an assistant turn's ``tool_calls`` as the call objects it
 made, a ``tool`` turn's content as the result (ChatML renders the ``tool`` role as it is).
+
+Anthropic's Messages API reaches the same tools through the chat service (its ``tools`` and ``tool_choice`` are
+written as chat's, checked by :func:`check_tool` and :func:`choose` under its own field names first).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,9 +68,46 @@ class Tools:
         return next((t for t in self.tools if t.name == name), None)
 
 
+def check_tool(
+    name: Any, description: Any, parameters: Any, taken: Sequence[Tool], *, name_param: str, schema_param: str
+) -> Tool:
+    """One tool's definition, checked (``taken``: the request's tools before it; ``parameters`` None: no
+    arguments). The same rules for every API, each naming its own fields: raises :class:`MissingParameterError` on
+    ``name_param`` when there is no name, :class:`InvalidRequestError` (400) on ``name_param`` for a name that is not
+    1-64 letters, digits, ``_`` or ``-`` or is given twice, and on ``schema_param`` for parameters that are not a JSON
+    Schema of type ``object``."""
+    if not isinstance(name, str):
+        raise MissingParameterError(f"Missing required parameter: '{name_param}'.", param=name_param)
+    if not NAME.match(name) or any(t.name == name for t in taken):
+        why = "is given twice" if NAME.match(name) else "must be 1-64 letters, digits, underscores or dashes"
+        raise InvalidRequestError(f"Invalid '{name_param}': {name!r} {why}.", param=name_param)
+    if parameters is None:
+        parameters = EMPTY_PARAMETERS
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise InvalidRequestError(
+            f"Invalid '{schema_param}': the parameters are a JSON Schema of type 'object'.", param=schema_param
+        )
+    return Tool(name, str(description or ""), {"type": "object", **parameters})
+
+
+def choose(tools: Sequence[Tool], mode: Mode, forced: str | None = None, *, param: str = "tool_choice") -> Tools | None:
+    """The tools with how the model may use them (None without tools, where ``mode`` may only be ``none`` or
+    ``auto``). Raises :class:`InvalidRequestError` (400) on ``param`` for a choice other than those without tools,
+    and for a ``named`` choice whose ``forced`` tool is not among them."""
+    if not tools:
+        if mode not in ("none", "auto"):
+            raise InvalidRequestError(
+                f"Invalid value for '{param}': it may only force a tool call when 'tools' are specified.", param=param
+            )
+        return None
+    if mode == "named" and not any(t.name == forced for t in tools):
+        raise InvalidRequestError(f"Invalid value for '{param}': no tool named {forced!r} is in 'tools'.", param=param)
+    return Tools(tuple(tools), mode, forced if mode == "named" else None)
+
+
 def parse_tools(tools: list[Any] | None, tool_choice: Any) -> Tools | None:
-    """The request's tools and choice, checked (None without tools, where ``tool_choice`` may only be ``none`` or
-    ``auto``). Raises :class:`InvalidRequestError` (400) naming the field: ``tools[i].type``,
+    """Chat's ``tools`` and ``tool_choice``, checked (None without tools, where ``tool_choice`` may only be ``none``
+    or ``auto``). Raises :class:`InvalidRequestError` (400) naming the field: ``tools[i].type``,
     ``tools[i].function.name`` (missing, or not 1-64 letters, digits, ``_`` or ``-``, or given twice),
     ``tools[i].function.parameters`` (not an object schema), ``tool_choice`` (unknown value or tool)."""
     if not tools:
@@ -86,36 +127,21 @@ def parse_tools(tools: list[Any] | None, tool_choice: Any) -> Tools | None:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise MissingParameterError(f"Missing required parameter: '{where}.function'.", param=f"{where}.function")
-        name = function.get("name")
-        if not isinstance(name, str):
-            raise MissingParameterError(
-                f"Missing required parameter: '{where}.function.name'.", param=f"{where}.function.name"
+        parsed.append(
+            check_tool(
+                function.get("name"),
+                function.get("description"),
+                function.get("parameters"),
+                parsed,
+                name_param=f"{where}.function.name",
+                schema_param=f"{where}.function.parameters",
             )
-        if not NAME.match(name) or any(t.name == name for t in parsed):
-            why = "is given twice" if NAME.match(name) else "must be 1-64 letters, digits, underscores or dashes"
-            raise InvalidRequestError(
-                f"Invalid 'tools[{i}].function.name': {name!r} {why}.", param=f"{where}.function.name"
-            )
-        parameters = function.get("parameters", EMPTY_PARAMETERS)
-        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise InvalidRequestError(
-                f"Invalid '{where}.function.parameters': the parameters are a JSON Schema of type 'object'.",
-                param=f"{where}.function.parameters",
-            )
-        description = function.get("description") or ""
-        parsed.append(Tool(name, str(description), {"type": "object", **parameters}))
-    toolset = tuple(parsed)
-    if tool_choice in (None, "auto"):
-        return Tools(toolset, "auto")
-    if tool_choice in ("none", "required"):
-        return Tools(toolset, tool_choice)
+        )
+    if tool_choice in (None, "auto", "none", "required"):
+        return choose(parsed, tool_choice or "auto")
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
-        if not any(t.name == name for t in toolset):
-            raise InvalidRequestError(
-                f"Invalid value for 'tool_choice': no tool named {name!r} is in 'tools'.", param="tool_choice"
-            )
-        return Tools(toolset, "named", str(name))
+        return choose(parsed, "named", str(name) if isinstance(name, str) else None)
     raise InvalidRequestError(
         "Invalid value for 'tool_choice': it must be 'none', 'auto', 'required' or {'type': 'function', "
         "'function': {'name': ...}}.",

@@ -5,6 +5,9 @@ Rows naming an upstream model are dispatched concurrently: one feeder per pool t
 row in row order and starts the row at once, so ``max_in_flight`` requests are really in flight per pool while the
 runner records outcomes as they arrive. A pool with no live upstream leaves its rows unrun (the runner shows
 ``upstream_unavailable``); a row whose batch expires while it is retried is left unrun too (``batch_expired``).
+
+An endpoint that upstreams do not speak (Anthropic's Messages) relays its rows through a :class:`Relay`: each row goes
+as the request of an endpoint they speak (chat), and its answer comes back in the endpoint's own shape.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ...engines.upstream import UPSTREAM_PATHS, Deferred, UpstreamPool, send
 from ...errors import APIError, UpstreamUnavailableError
 from ...scheduling.admission import Slot
-from .context import Call, ServiceContext
+from .context import Call, ServiceContext, ServiceResult
 from .many import Outcome, Plan, server_error
 from .routing import (
     LocalMany,
@@ -32,15 +36,27 @@ from .routing import (
 )
 
 
-def routed_many(endpoint: str, parse: Parse, local: LocalMany) -> LocalMany:
+@dataclass(frozen=True)
+class Relay:
+    """How the rows of an endpoint that upstreams do not speak go to them: as requests of ``endpoint`` (a key of
+    ``UPSTREAM_PATHS``), ``write`` making the body sent from a row's request (as the endpoint's ``parse`` returned
+    it), ``read`` making the row's answer from the upstream's result. Either may raise ``APIError`` (the row's
+    error)."""
+
+    endpoint: str
+    write: Callable[[Any], dict[str, Any]]
+    read: Callable[[Any, ServiceResult], ServiceResult]
+
+
+def routed_many(endpoint: str, parse: Parse, local: LocalMany, relay: Relay | None = None) -> LocalMany:
     """An endpoint's many-rows call, routed by model once at the edge (the registry builds it): ``local`` itself
-    when no upstream is configured, else :func:`create_many` (rows naming an upstream model go to their pool, the
-    rest to ``local``)."""
+    when no upstream is configured, else :func:`create_many` (rows naming an upstream model go to their pool,
+    through ``relay`` when upstreams do not speak the endpoint, the rest to ``local``)."""
 
     def many(ctx: ServiceContext, bodies: list[Any], call: Call, plan: Plan | None) -> AsyncIterator[Outcome]:
         if ctx.gateway is None:
             return local(ctx, bodies, call, plan)
-        return create_many(ctx, endpoint, parse, local, bodies, call, plan)
+        return create_many(ctx, endpoint, parse, local, bodies, call, plan, relay)
 
     return many
 
@@ -53,16 +69,18 @@ def create_many(
     bodies: list[Any],
     call: Call,
     plan: Plan | None,
+    relay: Relay | None = None,
 ) -> AsyncIterator[Outcome]:
     """An endpoint's many-rows call in gateway mode: rows naming an upstream model are dispatched concurrently
-    (:func:`dispatch`), the others go to ``local`` (the resident many-rows call, packing included) at the same
-    time; outcomes are yielded as they finish (the caller orders by ``Outcome.index``). Without upstream rows it
-    is ``local`` itself. Raises :class:`~miserver.errors.EngineUnavailableError` (after yielding what finished)
-    when rows were left unrun because their engine or pool is unavailable."""
+    (:func:`dispatch`; through ``relay`` when given), the others go to ``local`` (the resident many-rows call,
+    packing included) at the same time; outcomes are yielded as they finish (the caller orders by
+    ``Outcome.index``). Without upstream rows it is ``local`` itself. Raises
+    :class:`~miserver.errors.EngineUnavailableError` (after yielding what finished) when rows were left unrun because
+    their engine or pool is unavailable."""
     pools = [target(ctx, body) for body in bodies]
     if not any(pools):
         return local(ctx, bodies, call, plan)
-    return _many(ctx, endpoint, parse, local, bodies, pools, call, plan)
+    return _many(ctx, endpoint, parse, local, bodies, pools, call, plan, relay)
 
 
 async def _many(
@@ -74,6 +92,7 @@ async def _many(
     pools: list[UpstreamPool | None],
     call: Call,
     plan: Plan | None,
+    relay: Relay | None,
 ) -> AsyncIterator[Outcome]:
     rows: list[tuple[int, UpstreamPool, dict[str, Any], Any]] = []
     for i, (body, pool) in enumerate(zip(bodies, pools, strict=True)):
@@ -82,12 +101,14 @@ async def _many(
         try:
             req = parse(body, strict=call.strict)
             check_upstream_context(pool, req)
+            sent = body if relay is None else relay.write(req)
         except APIError as exc:
             yield Outcome(i, exc, False)
             continue
-        rows.append((i, pool, body, req))
+        rows.append((i, pool, sent, req))
     local_rows = [i for i, pool in enumerate(pools) if pool is None]
-    sources = [dispatch(ctx, endpoint, rows, call)]
+    read = None if relay is None else relay.read
+    sources = [dispatch(ctx, endpoint if relay is None else relay.endpoint, rows, call, read)]
     if local_rows:
         sources.append(_reindexed(local(ctx, [bodies[i] for i in local_rows], call, plan), local_rows))
     async for outcome in merge(sources):
@@ -143,11 +164,16 @@ def _monotonic_deadline(call: Call) -> float:
 
 
 async def dispatch(
-    ctx: ServiceContext, endpoint: str, rows: list[tuple[int, UpstreamPool, dict[str, Any], Any]], call: Call
+    ctx: ServiceContext,
+    endpoint: str,
+    rows: list[tuple[int, UpstreamPool, dict[str, Any], Any]],
+    call: Call,
+    read: Callable[[Any, ServiceResult], ServiceResult] | None = None,
 ) -> AsyncIterator[Outcome]:
     """Send checked upstream rows ``(index, pool, body, request)`` with up to the pool's gate slots in flight per
     pool (one feeder per pool, rows started in row order, each at batch priority); yield each outcome when its
-    answer arrives. A feeder stops starting rows once ``call.stopped()``; rows already sent finish and are yielded.
+    answer arrives (made by ``read`` from the upstream's result and the row's request, when given). A feeder stops
+    starting rows once ``call.stopped()``; rows already sent finish and are yielded.
     Rows of a pool with no live upstream, and rows whose retries reached ``call.deadline``, are not yielded; if the
     former happened, :class:`~miserver.errors.UpstreamUnavailableError` is raised at the end."""
     gateway = gateway_of(ctx)
@@ -170,7 +196,8 @@ async def dispatch(
                 defer_at_deadline=True,
                 stopped=call.stopped,
             )
-            outcome = Outcome(index, answer_result(answer, body["model"], req), False)
+            result = answer_result(answer, body["model"], req)
+            outcome = Outcome(index, result if read is None else read(req, result), False)
         except UpstreamUnavailableError:
             unavailable.append(pool.model)
         except Deferred:
