@@ -13,9 +13,12 @@ from miserver.errors import APIError, ContextLengthError, ModelNotFoundError
 from miserver.protocol.parsing import parse_request
 from miserver.protocol.responses import ResponseCreateRequest
 from miserver.scheduling.admission import AdmissionGate
-from miserver.services.inference import responses
+from miserver.services.inference import responses, responses_stream
 from miserver.services.inference.context import ServiceContext, StreamResult
 from tests.support.fake_engine import MODEL, FakeEngine
+
+
+TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
 
 
 def ctx() -> ServiceContext:
@@ -34,7 +37,7 @@ def refusal(body: dict[str, Any], *, strict: bool = True) -> APIError:
 
 def test_a_string_input_is_one_user_turn() -> None:
     req = request(max_output_tokens=32, temperature=0.5, top_p=0.9, user="u", metadata={"a": "b"})
-    assert responses._chat_body(req, responses._input_turns(req)) == {
+    assert responses._chat_body(req, responses.input_turns(req, [])) == {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Hi"}],
         "max_completion_tokens": 32,
@@ -63,7 +66,7 @@ def test_instructions_first_then_earlier_turns_then_input() -> None:
         stream=True,
     )
     earlier = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "1"}]
-    body = responses._chat_body(req, earlier + responses._input_turns(req))
+    body = responses._chat_body(req, earlier + responses.input_turns(req, earlier))
     assert body["messages"] == [
         {"role": "system", "content": "Be brief."},
         *earlier,
@@ -78,8 +81,23 @@ def test_instructions_first_then_earlier_turns_then_input() -> None:
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
-        ({"tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
-        ({"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "missing_required_parameter", "tools[0].name"),
+        ({"tools": [{"type": "web_search"}]}, "unsupported_value", "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools[0].function"),
+        ({"tools": [{"type": "function", "name": "a b"}]}, "invalid_value", "tools[0].name"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+            "invalid_value",
+            "tools[0].parameters",
+        ),
+        ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "g"}}, "invalid_value", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "unsupported_value", "tool_choice.type"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
+            "invalid_value",
+            "input[0].call_id",
+        ),
         ({"reasoning": {"effort": "low"}}, "unsupported_parameter", "reasoning"),
         ({"background": True}, "unsupported_parameter", "background"),
         ({"include": ["reasoning.encrypted_content"]}, "unsupported_parameter", "include"),
@@ -159,13 +177,14 @@ def test_chat_errors_on_messages_are_named_input() -> None:
 def test_the_response_object_parses_with_the_sdk(finish: str, status: str) -> None:
     req = request(max_output_tokens=16, metadata={"a": "b"}, previous_response_id="resp_0")
     usage = {"prompt_tokens": 3, "completion_tokens": 16}
-    body = responses._response(req, ("resp_1", "msg_1"), 100, MODEL, text="hello", finish_reason=finish, usage=usage)
+    output = responses.output_items({"content": "hello"}, "msg_1", status)
+    body = responses._response(req, "resp_1", 100, MODEL, output, finish, usage)
     parsed = Response.model_validate(body)
     assert parsed.status == status and parsed.output_text == "hello" and parsed.previous_response_id == "resp_0"
     assert parsed.usage is not None and parsed.usage.total_tokens == 19
     assert (parsed.incomplete_details is not None) == (status == "incomplete")
     assert parsed.output[0].status == status  # type: ignore[union-attr]
-    started = Response.model_validate(responses._response(req, ("resp_1", "msg_1"), 100, MODEL, text=None))
+    started = Response.model_validate(responses._response(req, "resp_1", 100, MODEL, None))
     assert started.status == "in_progress" and started.output == [] and started.usage is None
 
 
@@ -186,7 +205,13 @@ def _chat_stream(closed: list[bool], finish: str) -> StreamResult:
 
 async def _events(finish: str, *, take: int | None = None) -> tuple[list[dict[str, Any]], list[bool]]:
     closed: list[bool] = []
-    stream = responses._stream(ctx(), request(store=False), [], _chat_stream(closed, finish), ("resp_1", "msg_1"), 1)
+    req = request(store=False)
+
+    def build(output: list[dict[str, Any]], finish: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        return responses._response(req, "resp_1", 1, MODEL, output, finish, usage)
+
+    started = responses._response(req, "resp_1", 1, MODEL, None)
+    stream = responses_stream.events(_chat_stream(closed, finish), started, "msg_1", build, None)
     events = []
     async for payload in stream:
         events.append(json.loads(payload))
