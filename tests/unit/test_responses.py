@@ -17,7 +17,6 @@ from miserver.services.inference import responses, responses_stream
 from miserver.services.inference.context import ServiceContext, StreamResult
 from tests.support.fake_engine import MODEL, FakeEngine
 
-
 TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
 
 
