@@ -7,6 +7,7 @@ The module shares its processes; the last test kills upstream ``a``.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 import uuid
@@ -158,14 +159,13 @@ def test_a_cut_stream_or_an_error_chunk_is_an_error(client: openai.OpenAI, model
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}),
         ("/anthropic/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
     ],
 )
 def test_a_resident_only_route_naming_an_upstream_model_says_so(
     fleet: dict[str, Any], path: str, body: dict[str, Any]
 ) -> None:
-    """Responses and Anthropic Messages run on the resident model only: naming an upstream model is a 400 that says
+    """Anthropic Messages run on the resident model only: naming an upstream model is a 400 that says
     which upstream serves it and which routes are relayed (it was a 404 saying the model does not exist, while
     listing it among the models served)."""
     answer = fleet["gateway"].http().post(path, json={"model": UP, **body})
@@ -177,6 +177,64 @@ def test_a_resident_only_route_naming_an_upstream_model_says_so(
         assert (error["code"], error["param"]) == ("unsupported_value", "model")
     assert f"'{UP}' is served by upstream 'a', 'b'" in error["message"]
     assert "/v1/chat/completions, /v1/completions, /v1/embeddings" in error["message"]
+
+
+def test_responses_on_an_upstream_model_go_through_its_chat_route(fleet: dict[str, Any], client: openai.OpenAI) -> None:
+    """A Responses request naming an upstream model is its chat request sent to the upstream's
+    ``/v1/chat/completions``, the answer translated back: the same text as the equivalent chat request (sync, stream,
+    a batch line, a ``previous_response_id`` chain), a forced function call as a ``function_call`` item."""
+    direct = fleet["a"].http()
+
+    def chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        body = {"model": UP, "messages": messages, "max_completion_tokens": 16, "temperature": 0, **extra}
+        answer = direct.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]  # type: ignore[no-any-return]
+
+    ask = {"model": UP, "max_output_tokens": 16, "temperature": 0}
+    raw = client.responses.with_raw_response.create(input="Name a colour.", **ask)  # type: ignore[arg-type]
+    first = raw.parse()
+    assert raw.headers["x-millm-backend"] in ("upstream:a", "upstream:b") and first.model == UP
+    text = chat([{"role": "user", "content": "Name a colour."}])["message"]["content"]
+    assert first.output_text == text and first.usage is not None and first.usage.output_tokens > 0
+    events = list(client.responses.create(input="Name a colour.", stream=True, **ask))  # type: ignore[arg-type]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text  # type: ignore[union-attr]
+    assert events[-1].response.output_text == text  # type: ignore[union-attr]
+    chained = client.responses.create(input="And another?", previous_response_id=first.id, **ask)  # type: ignore[arg-type]
+    turns = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "And another?"},
+    ]
+    assert chained.output_text == chat(turns)["message"]["content"]
+    # a forced call of a tool that takes no arguments (the random tiny model cannot run away in them)
+    closed = {"type": "object", "properties": {}, "additionalProperties": False}
+    tool = {"type": "function", "name": "f", "parameters": closed}
+    for stream in (False, True):
+        body = {
+            **ask,
+            "input": "hi",
+            "tools": [tool],
+            "tool_choice": "required",
+            "stream": stream,
+            "max_output_tokens": 24,
+        }
+        if stream:
+            streamed = list(client.responses.create(**body))  # type: ignore[call-overload]
+            assert "response.function_call_arguments.done" in [e.type for e in streamed]
+            called = streamed[-1].response
+        else:
+            called = client.responses.create(**body)  # type: ignore[call-overload]
+        (call,) = called.output
+        assert call.type == "function_call" and call.name == "f" and json.loads(call.arguments) == {}
+        assert call.call_id.startswith("call_") and called.status == "completed"
+    lines = [line("r0", {"input": "Name a colour.", **ask}, url="/v1/responses")]
+    done = wait_terminal(client, submit(client, jsonl(lines), endpoint="/v1/responses").id)
+    assert done.status == "completed", done.errors
+    (row,) = read_lines(client, done.output_file_id)
+    assert row["response"]["status_code"] == 200 and row["response"]["body"]["model"] == UP
+    assert [o["content"][0]["text"] for o in row["response"]["body"]["output"]] == [text]
 
 
 def test_503_is_retried_with_one_request_id_until_it_recovers(fleet: dict[str, Any], client: openai.OpenAI) -> None:
