@@ -246,3 +246,132 @@ async def test_a_stream_closed_early_closes_the_chat_stream() -> None:
     events, closed = await _events("stop", take=5)
     assert events[-1]["type"] == "response.output_text.delta"
     assert closed == [True], "the chat stream (and its admission slot) is released at once"
+
+
+# -- function tools: items as chat turns, and a relayed stream's tool-call deltas -------------------------------------
+
+
+def test_function_calls_and_results_are_chat_tool_calls_and_tool_turns() -> None:
+    req = request(
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "f"},
+        parallel_tool_calls=False,
+        input=[
+            {"role": "user", "content": "Go"},
+            {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}", "id": "fc_1"},
+            {"type": "function_call", "call_id": "call_2", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "one"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "two"}]},
+        ],
+    )
+    body = responses._chat_body(req, responses.input_turns(req, []))
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in (1, 2)]
+    assert body["messages"] == [
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "one"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "two"},
+    ]
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": TOOLS[0]["parameters"]}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert body["parallel_tool_calls"] is False
+
+
+def test_a_chat_answer_with_text_and_calls_is_a_message_then_function_call_items() -> None:
+    message = {
+        "content": "Calling.",
+        "tool_calls": [{"id": "call_9", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }
+    output = responses.output_items(message, "msg_1", "completed")
+    body = Response.model_validate(responses._response(request(tools=TOOLS), "resp_1", 1, MODEL, output, "tool_calls"))
+    assert [o.type for o in body.output] == ["message", "function_call"] and body.output_text == "Calling."
+    call = body.output[1]
+    assert call.call_id == "call_9" and call.id is not None and call.id.startswith("fc_")  # type: ignore[union-attr]
+    assert responses.answer_turns(output)[1] == {
+        "type": "function_call",
+        "role": "assistant",
+        "id": call.id,
+        "call_id": "call_9",
+        "name": "f",
+        "arguments": '{"a": 1}',
+    }
+
+
+def _relayed(chunks: list[dict[str, Any]]) -> StreamResult:
+    async def events() -> AsyncIterator[str]:
+        for chunk in chunks:
+            yield json.dumps(chunk)
+        yield "[DONE]"
+
+    return StreamResult(events(), {"X-miLLM-Model": MODEL})
+
+
+async def _run(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    req = request(tools=TOOLS, store=False)
+
+    def build(output: list[dict[str, Any]], finish: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        return responses._response(req, "resp_1", 1, MODEL, output, finish, usage)
+
+    started = responses._response(req, "resp_1", 1, MODEL, None)
+    return [json.loads(e) async for e in responses_stream.events(_relayed(chunks), started, "msg_1", build, None)]
+
+
+def _delta(**delta: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}], "usage": None}
+
+
+async def test_a_relayed_stream_of_tool_call_pieces_becomes_function_call_events() -> None:
+    """An upstream (vLLM's form) streams text, then each call's id and name, then its arguments piece by piece,
+    ``usage: null`` on every chunk and the usage alone at the end: each item is closed before the next opens."""
+    first = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": ""}}
+    events = await _run(
+        [
+            _delta(role="assistant", content=""),
+            _delta(content="Sure."),
+            _delta(tool_calls=[first]),
+            _delta(tool_calls=[{"index": 0, "function": {"arguments": '{"x"'}}]),
+            _delta(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]),
+            _delta(tool_calls=[{"index": 1, "id": "call_b", "function": {"name": "f", "arguments": "{}"}}]),
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "usage": None},
+            {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}},
+        ]
+    )
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = Response.model_validate(events[-1]["response"])
+    assert [o.type for o in final.output] == ["message", "function_call", "function_call"]
+    assert [(o.call_id, o.arguments) for o in final.output[1:]] == [("call_a", '{"x": 1}'), ("call_b", "{}")]  # type: ignore[union-attr]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert final.usage is not None and final.usage.total_tokens == 14
+
+
+async def test_an_error_chunk_of_a_relayed_stream_ends_it_with_an_error_event() -> None:
+    error = {"message": "engine crashed", "type": "server_error", "param": None, "code": "upstream_stream_cut"}
+    events = await _run([_delta(content="Hel"), {"error": error}])
+    assert events[-1] == {
+        "type": "error",
+        "sequence_number": len(events) - 1,
+        "code": "upstream_stream_cut",
+        "message": "engine crashed",
+        "param": None,
+    }
+    assert "response.completed" not in [e["type"] for e in events]
