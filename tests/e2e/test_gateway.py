@@ -229,12 +229,32 @@ def test_responses_on_an_upstream_model_go_through_its_chat_route(fleet: dict[st
         (call,) = called.output
         assert call.type == "function_call" and call.name == "f" and json.loads(call.arguments) == {}
         assert call.call_id.startswith("call_") and called.status == "completed"
-    lines = [line("r0", {"input": "Name a colour.", **ask}, url="/v1/responses")]
+    # batch lines (upstream ones, a chained one, a tool call, and one of the resident model) answer as the route
+    rows = {
+        "r0": {"input": "Name a colour.", **ask},
+        "r1": {"input": "And another?", "previous_response_id": first.id, **ask},
+        "r2": {**ask, "input": "hi", "tools": [tool], "tool_choice": "required", "max_output_tokens": 24},
+        "r3": {**ask, "model": "tiny", "input": "Name a colour."},
+    }
+    lines = [line(name, body, url="/v1/responses") for name, body in rows.items()]
     done = wait_terminal(client, submit(client, jsonl(lines), endpoint="/v1/responses").id)
     assert done.status == "completed", done.errors
-    (row,) = read_lines(client, done.output_file_id)
-    assert row["response"]["status_code"] == 200 and row["response"]["body"]["model"] == UP
-    assert [o["content"][0]["text"] for o in row["response"]["body"]["output"]] == [text]
+    out = {o["custom_id"]: o["response"] for o in read_lines(client, done.output_file_id)}
+    assert sorted(out) == sorted(rows)
+    for name, body in rows.items():
+        sync = fleet["gateway"].http().post("/v1/responses", json={"model": UP, **body})
+        assert out[name]["status_code"] == sync.status_code == 200 and _answer(out[name]["body"]) == _answer(
+            sync.json()
+        )
+    assert out["r0"]["body"]["output"][0]["content"][0]["text"] == text
+    assert out["r2"]["body"]["output"][0]["type"] == "function_call"
+
+
+def _answer(response: dict[str, Any]) -> dict[str, Any]:
+    """A Response but for its ids and times."""
+    output = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in response["output"]]
+    kept = {k: v for k, v in response.items() if k not in ("id", "created_at", "completed_at")}
+    return {**kept, "output": output}
 
 
 def test_503_is_retried_with_one_request_id_until_it_recovers(fleet: dict[str, Any], client: openai.OpenAI) -> None:

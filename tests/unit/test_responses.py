@@ -166,10 +166,10 @@ def test_unknown_model_is_the_chat_services_404() -> None:
 
 
 def test_chat_errors_on_messages_are_named_input() -> None:
-    error = responses._from_chat(ContextLengthError("too long", param="messages"))
+    error = responses.from_chat(ContextLengthError("too long", param="messages"))
     assert isinstance(error, ContextLengthError) and error.param == "input" and error.code == "context_length_exceeded"
     other = ModelNotFoundError("x", param="model")
-    assert responses._from_chat(other) is other
+    assert responses.from_chat(other) is other
 
 
 @pytest.mark.parametrize(("finish", "status"), [("stop", "completed"), ("length", "incomplete")])

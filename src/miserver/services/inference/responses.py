@@ -17,6 +17,7 @@ the same way, the chat request going to the upstream's ``/v1/chat/completions``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ...clock import now
@@ -158,7 +159,7 @@ def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
     return body
 
 
-def _from_chat(exc: APIError) -> APIError:
+def from_chat(exc: APIError) -> APIError:
     """A chat service error named as this route names it: the chat request's ``messages`` are ``input`` here, its
     ``response_format.json_schema`` is ``text.format``."""
     if exc.param is not None and exc.param.startswith("messages"):
@@ -261,44 +262,75 @@ async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns) -> 
             _next_prune["at"] = at + PRUNE_EVERY_SECONDS
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A checked Responses request as its chat request (``chat_body``), not run yet: ``turns`` the conversation
+    (the ``previous_response_id`` chain's turns, then ``input``), the ids and the time (Unix seconds) of its
+    Response."""
+
+    req: ResponseCreateRequest
+    turns: Turns
+    chat_body: dict[str, Any]
+    response_id: str
+    message_id: str
+    created: int
+
+
+async def begin(ctx: ServiceContext, body: Any, call: Call) -> Pending:
+    """Check ``body`` (:func:`check`), look up its ``previous_response_id`` chain and write its chat request. Raises
+    :class:`~miserver.errors.APIError` as :func:`check` does, 400 ``previous_response_not_found``, and 400 on a
+    ``function_call_output`` that answers no earlier call."""
+    req, _engine = check(ctx, body, strict=call.strict)
+    earlier = await _earlier_turns(ctx, req.previous_response_id)
+    turns = earlier + input_turns(req, earlier)
+    return Pending(req, turns, _chat_body(req, turns), ordered_id("resp_"), random_id("msg_"), now())
+
+
+async def finish(ctx: ServiceContext, p: Pending, result: ServiceResult) -> ServiceResult:
+    """The Response of ``p`` from its chat completion ``result`` (the resident engine's or an upstream's), stored
+    unless ``store`` is false; the chat result's headers and token counts."""
+    choice = result.body["choices"][0]
+    finish_reason = choice.get("finish_reason") or "stop"
+    status = "incomplete" if finish_reason == "length" else "completed"
+    output = output_items(choice["message"], p.message_id, status)
+    usage = result.body.get("usage")
+    response = _response(p.req, p.response_id, p.created, result.body["model"], output, finish_reason, usage)
+    if p.req.store is not False:
+        await _save(ctx, response, p.turns)
+    return ServiceResult(200, response, result.headers, result.prompt_tokens, result.completion_tokens)
+
+
+def _streamed(ctx: ServiceContext, p: Pending, result: StreamResult) -> StreamResult:
+    """The Responses events of ``p`` over its chat stream ``result``; the Response is stored when it ends."""
+    model = result.headers.get("X-miLLM-Model", p.req.model)
+
+    def build(output: list[dict[str, Any]], finish_reason: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        return _response(p.req, p.response_id, p.created, model, output, finish_reason, usage)
+
+    async def save(response: dict[str, Any]) -> None:
+        await _save(ctx, response, p.turns)
+
+    started = _response(p.req, p.response_id, p.created, model, None)
+    events = responses_stream.events(result, started, p.message_id, build, save if p.req.store is not False else None)
+    # the chat stream's own counts (result.usage) bill this stream, also when its client goes away midway
+    return StreamResult(events, result.headers, result.usage)
+
+
 async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
     """Run a Responses request through the chat service (the resident engine, or the upstream pool that serves its
     model). Returns a :class:`ServiceResult` whose body is the Response object, or a :class:`StreamResult` of
     Responses stream events (JSON text, each with its ``type`` and ``sequence_number``; see
     :func:`~miserver.services.inference.responses_stream.events`) when ``stream`` is true. Raises
-    :class:`~miserver.errors.APIError` as the chat service does (a ``messages`` param named ``input``), 400
-    ``previous_response_not_found``, and 400 on a ``function_call_output`` that answers no earlier call."""
-    req, _engine = check(ctx, body, strict=call.strict)
-    earlier = await _earlier_turns(ctx, req.previous_response_id)
-    turns = earlier + input_turns(req, earlier)
-    created = now()
-    response_id, message_id = ordered_id("resp_"), random_id("msg_")
+    :class:`~miserver.errors.APIError` as :func:`begin` does, and as the chat service does (a ``messages`` param
+    named ``input``)."""
+    p = await begin(ctx, body, call)
     try:
-        result = await chat.create(ctx, _chat_body(req, turns), call)
+        result = await chat.create(ctx, p.chat_body, call)
     except APIError as exc:
-        raise _from_chat(exc) from None
+        raise from_chat(exc) from None
     if isinstance(result, StreamResult):
-        model = result.headers.get("X-miLLM-Model", req.model)
-
-        def build(output: list[dict[str, Any]], finish_reason: str, usage: dict[str, Any] | None) -> dict[str, Any]:
-            return _response(req, response_id, created, model, output, finish_reason, usage)
-
-        async def save(response: dict[str, Any]) -> None:
-            await _save(ctx, response, turns)
-
-        started = _response(req, response_id, created, model, None)
-        events = responses_stream.events(result, started, message_id, build, save if req.store is not False else None)
-        # the chat stream's own counts (result.usage) bill this stream, also when its client goes away midway
-        return StreamResult(events, result.headers, result.usage)
-    choice = result.body["choices"][0]
-    finish_reason = choice.get("finish_reason") or "stop"
-    status = "incomplete" if finish_reason == "length" else "completed"
-    output = output_items(choice["message"], message_id, status)
-    usage = result.body.get("usage")
-    response = _response(req, response_id, created, result.body["model"], output, finish_reason, usage)
-    if req.store is not False:
-        await _save(ctx, response, turns)
-    return ServiceResult(200, response, result.headers, result.prompt_tokens, result.completion_tokens)
+        return _streamed(ctx, p, result)
+    return await finish(ctx, p, result)
 
 
 async def retrieve(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
