@@ -105,7 +105,7 @@ def test_the_call_and_its_result_go_back_through_input_or_previous_response_id(c
     assert call.type == "function_call"
     result = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
     turn: dict[str, Any] = {"tools": [WEATHER], "tool_choice": "none", "max_output_tokens": 20, "temperature": 0}
-    sent_back = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True), result]
+    sent_back = [{"role": "user", "content": ASK}, *first.output, result]  # the SDK's item sent back as it came
     via_input = client.responses.create(model=MODEL, input=sent_back, **turn)  # type: ignore[arg-type]
     chained = client.responses.create(model=MODEL, previous_response_id=first.id, input=[result], **turn)  # type: ignore[list-item]
     assert via_input.output[0].type == chained.output[0].type == "message"
