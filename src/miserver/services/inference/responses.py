@@ -8,7 +8,8 @@ back into a Response object (or OpenAI's Responses stream events).
 
 ``store`` (default true, as OpenAI's) keeps the Response and its conversation in the database for
 ``GET``/``DELETE /v1/responses/{id}`` and for ``previous_response_id``, for :data:`RETENTION_SECONDS` (30 days, as
-files). Batch rows run :func:`create` too (one at a time: Responses rows never pack).
+files). Batch rows run :func:`create` too (one at a time: Responses rows never pack); rows naming an upstream model
+are sent as chat rows (:mod:`~miserver.services.inference.responses_rows`: :func:`begin`, then :func:`finish`).
 
 Function tools, their calls and their results are chat's tools, ``tool_calls`` and ``tool`` turns (see
 :mod:`~miserver.services.inference.responses_items`); a model served by an upstream pool (gateway mode) is served
@@ -117,7 +118,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCrea
     _refuse_unsupported(req)
     check_metadata(req.metadata)
     input_turns(req, [] if req.previous_response_id is None else None)
-    chat_tools(req)
+    tool_list, tool_choice = chat_tools(req)
     pool = routing.target(ctx, body)
     if pool is not None:
         routing.check_upstream_context(pool, req)
@@ -125,7 +126,7 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCrea
     engine = ctx.resolve_model(req.model)
     form = req.text.format if req.text else None
     check_grammar(engine, text_format.grammar(form), field="text.format", schema_param="text.format.schema")
-    tools = parse_tools(*chat_tools(req))
+    tools = parse_tools(tool_list, tool_choice)  # checked by chat_tools
     check_grammar(engine, call_grammar(tools) if tools else None, field="tools", schema_param="tools")
     return req, engine
 
