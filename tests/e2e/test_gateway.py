@@ -236,11 +236,17 @@ def test_responses_on_an_upstream_model_go_through_its_chat_route(fleet: dict[st
         "r2": {**ask, "input": "hi", "tools": [tool], "tool_choice": "required", "max_output_tokens": 24},
         "r3": {**ask, "model": "tiny", "input": "Name a colour."},
     }
-    lines = [line(name, body, url="/v1/responses") for name, body in rows.items()]
+    lost = {"input": "Go on.", "previous_response_id": "resp_gone", **ask}  # fails when its row runs, as the route
+    lines = [line(name, body, url="/v1/responses") for name, body in [*rows.items(), ("lost", lost)]]
     done = wait_terminal(client, submit(client, jsonl(lines), endpoint="/v1/responses").id)
     assert done.status == "completed", done.errors
     out = {o["custom_id"]: o["response"] for o in read_lines(client, done.output_file_id)}
     assert sorted(out) == sorted(rows)
+    (failed,) = read_lines(client, done.error_file_id)
+    refused = fleet["gateway"].http().post("/v1/responses", json=lost)
+    assert failed["custom_id"] == "lost" and failed["response"]["status_code"] == refused.status_code == 400
+    assert failed["response"]["body"]["error"] == refused.json()["error"]
+    assert refused.json()["error"]["code"] == "previous_response_not_found"
     for name, body in rows.items():
         sync = fleet["gateway"].http().post("/v1/responses", json={"model": UP, **body})
         assert out[name]["status_code"] == sync.status_code == 200 and _answer(out[name]["body"]) == _answer(
