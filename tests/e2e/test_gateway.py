@@ -7,6 +7,7 @@ The module shares its processes; the last test kills upstream ``a``.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 import uuid
@@ -158,26 +159,6 @@ def test_a_cut_stream_or_an_error_chunk_is_an_error(client: openai.OpenAI, model
             pass
 
 
-@pytest.mark.parametrize(
-    ("path", "body"),
-    [
-        ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}),
-    ],
-)
-def test_a_resident_only_route_naming_an_upstream_model_says_so(
-    fleet: dict[str, Any], path: str, body: dict[str, Any]
-) -> None:
-    """Responses run on the resident model only: naming an upstream model is a 400 that says which upstream serves
-    it and which routes are relayed (it was a 404 saying the model does not exist, while listing it among the models
-    served)."""
-    answer = fleet["gateway"].http().post(path, json={"model": UP, **body})
-    assert answer.status_code == 400, answer.text
-    error = answer.json()["error"]
-    assert (error["code"], error["param"]) == ("unsupported_value", "model")
-    assert f"'{UP}' is served by upstream 'a', 'b'" in error["message"]
-    assert "/v1/chat/completions, /v1/completions, /v1/embeddings" in error["message"]
-
-
 def test_anthropic_messages_are_relayed_as_chat_requests(fleet: dict[str, Any]) -> None:
     """A Messages request naming an upstream model goes to it as the equivalent chat request: the Message carries
     the upstream's answer (what it gives that chat request directly), streamed too; a forced call of a tool is a
@@ -251,6 +232,90 @@ def test_a_message_batch_relays_its_upstream_requests(fleet: dict[str, Any]) -> 
         blocks = [[{k: v for k, v in b.items() if k != "id"} for b in m["content"]] for m in (got, sync)]
         assert blocks[0] == blocks[1] and (got["usage"], got["stop_reason"]) == (sync["usage"], sync["stop_reason"])
     assert results["m3"].message.stop_reason == "tool_use"  # type: ignore[union-attr]
+
+
+def test_responses_on_an_upstream_model_go_through_its_chat_route(fleet: dict[str, Any], client: openai.OpenAI) -> None:
+    """A Responses request naming an upstream model is its chat request sent to the upstream's
+    ``/v1/chat/completions``, the answer translated back: the same text as the equivalent chat request (sync, stream,
+    a batch line, a ``previous_response_id`` chain), a forced function call as a ``function_call`` item."""
+    direct = fleet["a"].http()
+
+    def chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        body = {"model": UP, "messages": messages, "max_completion_tokens": 16, "temperature": 0, **extra}
+        answer = direct.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]  # type: ignore[no-any-return]
+
+    ask = {"model": UP, "max_output_tokens": 16, "temperature": 0}
+    raw = client.responses.with_raw_response.create(input="Name a colour.", **ask)  # type: ignore[arg-type]
+    first = raw.parse()
+    assert raw.headers["x-millm-backend"] in ("upstream:a", "upstream:b") and first.model == UP
+    text = chat([{"role": "user", "content": "Name a colour."}])["message"]["content"]
+    assert first.output_text == text and first.usage is not None and first.usage.output_tokens > 0
+    events = list(client.responses.create(input="Name a colour.", stream=True, **ask))  # type: ignore[arg-type]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text  # type: ignore[union-attr]
+    assert events[-1].response.output_text == text  # type: ignore[union-attr]
+    chained = client.responses.create(input="And another?", previous_response_id=first.id, **ask)  # type: ignore[arg-type]
+    turns = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "And another?"},
+    ]
+    assert chained.output_text == chat(turns)["message"]["content"]
+    # a forced call of a tool that takes no arguments (the random tiny model cannot run away in them)
+    closed = {"type": "object", "properties": {}, "additionalProperties": False}
+    tool = {"type": "function", "name": "f", "parameters": closed}
+    for stream in (False, True):
+        body = {
+            **ask,
+            "input": "hi",
+            "tools": [tool],
+            "tool_choice": "required",
+            "stream": stream,
+            "max_output_tokens": 24,
+        }
+        if stream:
+            streamed = list(client.responses.create(**body))  # type: ignore[call-overload]
+            assert "response.function_call_arguments.done" in [e.type for e in streamed]
+            called = streamed[-1].response
+        else:
+            called = client.responses.create(**body)  # type: ignore[call-overload]
+        (call,) = called.output
+        assert call.type == "function_call" and call.name == "f" and json.loads(call.arguments) == {}
+        assert call.call_id.startswith("call_") and called.status == "completed"
+    # batch lines (upstream ones, a chained one, a tool call, and one of the resident model) answer as the route
+    rows = {
+        "r0": {"input": "Name a colour.", **ask},
+        "r1": {"input": "And another?", "previous_response_id": first.id, **ask},
+        "r2": {**ask, "input": "hi", "tools": [tool], "tool_choice": "required", "max_output_tokens": 24},
+        "r3": {**ask, "model": "tiny", "input": "Name a colour."},
+    }
+    lost = {"input": "Go on.", "previous_response_id": "resp_gone", **ask}  # fails when its row runs, as the route
+    lines = [line(name, body, url="/v1/responses") for name, body in [*rows.items(), ("lost", lost)]]
+    done = wait_terminal(client, submit(client, jsonl(lines), endpoint="/v1/responses").id)
+    assert done.status == "completed", done.errors
+    out = {o["custom_id"]: o["response"] for o in read_lines(client, done.output_file_id)}
+    assert sorted(out) == sorted(rows)
+    (failed,) = read_lines(client, done.error_file_id)
+    refused = fleet["gateway"].http().post("/v1/responses", json=lost)
+    assert failed["custom_id"] == "lost" and failed["response"]["status_code"] == refused.status_code == 400
+    assert failed["response"]["body"]["error"] == refused.json()["error"]
+    assert refused.json()["error"]["code"] == "previous_response_not_found"
+    for name, body in rows.items():
+        sync = fleet["gateway"].http().post("/v1/responses", json={"model": UP, **body})
+        assert out[name]["status_code"] == sync.status_code == 200 and _answer(out[name]["body"]) == _answer(
+            sync.json()
+        )
+    assert out["r0"]["body"]["output"][0]["content"][0]["text"] == text
+    assert out["r2"]["body"]["output"][0]["type"] == "function_call"
+
+
+def _answer(response: dict[str, Any]) -> dict[str, Any]:
+    """A Response but for its ids and times."""
+    output = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in response["output"]]
+    kept = {k: v for k, v in response.items() if k not in ("id", "created_at", "completed_at")}
+    return {**kept, "output": output}
 
 
 def test_503_is_retried_with_one_request_id_until_it_recovers(fleet: dict[str, Any], client: openai.OpenAI) -> None:

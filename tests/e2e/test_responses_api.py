@@ -207,8 +207,10 @@ def test_stream_events_on_the_wire(module_server: ServerProcess) -> None:
 # -- refusals: the synchronous route and a batch line answer alike -------------------------------------------------
 
 REFUSED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
-    ("tools", {"tools": [{"type": "function", "name": "f"}]}, 400, "unsupported_parameter", "tools"),
-    ("tool-choice", {"tool_choice": "required"}, 400, "unsupported_parameter", "tool_choice"),
+    ("web-search", {"tools": [{"type": "web_search"}]}, 400, "unsupported_value", "tools[0].type"),
+    ("mcp", {"tools": [{"type": "mcp", "server_label": "x"}]}, 400, "unsupported_value", "tools[0].type"),
+    ("tool-name", {"tools": [{"type": "function", "name": "a b"}]}, 400, "invalid_value", "tools[0].name"),
+    ("tool-choice", {"tool_choice": "required"}, 400, "invalid_value", "tool_choice"),
     ("reasoning", {"reasoning": {"effort": "high"}}, 400, "unsupported_parameter", "reasoning"),
     ("background", {"background": True}, 400, "unsupported_parameter", "background"),
     ("include", {"include": ["message.output_text.logprobs"]}, 400, "unsupported_parameter", "include"),
@@ -253,11 +255,18 @@ REFUSED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
         "input[0].content[0].type",
     ),
     (
-        "function-call",
-        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+        "reasoning-item",
+        {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]},
         400,
         "unsupported_value",
         "input[0].type",
+    ),
+    (
+        "uncalled-output",
+        {"input": [{"type": "function_call_output", "call_id": "call_1", "output": "1"}]},
+        400,
+        "invalid_value",
+        "input[0].call_id",
     ),
     ("bad-role", {"input": [{"role": "tool", "content": "x"}]}, 400, "invalid_value", "input[0].role"),
     ("few-tokens", {"max_output_tokens": 5}, 400, "invalid_value", "max_output_tokens"),
@@ -301,7 +310,7 @@ def test_lenient_mode_ignores_unknown_fields_but_never_unsupported_ones(module_s
     http = module_server.http()
     assert http.post(URL, json=_refused_body({"frobnicate": 1, "store": False})).status_code == 200
     tools = http.post(URL, json=_refused_body({"tools": [{"type": "web_search"}]}))
-    assert tools.status_code == 400 and tools.json()["error"]["code"] == "unsupported_parameter"
+    assert tools.status_code == 400 and tools.json()["error"]["code"] == "unsupported_value"
 
 
 def test_unknown_response_is_404(client: openai.OpenAI, module_server: ServerProcess) -> None:

@@ -13,9 +13,11 @@ from miserver.errors import APIError, ContextLengthError, ModelNotFoundError
 from miserver.protocol.parsing import parse_request
 from miserver.protocol.responses import ResponseCreateRequest
 from miserver.scheduling.admission import AdmissionGate
-from miserver.services.inference import responses
+from miserver.services.inference import responses, responses_stream
 from miserver.services.inference.context import ServiceContext, StreamResult
 from tests.support.fake_engine import MODEL, FakeEngine
+
+TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
 
 
 def ctx() -> ServiceContext:
@@ -34,7 +36,7 @@ def refusal(body: dict[str, Any], *, strict: bool = True) -> APIError:
 
 def test_a_string_input_is_one_user_turn() -> None:
     req = request(max_output_tokens=32, temperature=0.5, top_p=0.9, user="u", metadata={"a": "b"})
-    assert responses._chat_body(req, responses._input_turns(req)) == {
+    assert responses._chat_body(req, responses.input_turns(req, [])) == {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Hi"}],
         "max_completion_tokens": 32,
@@ -63,7 +65,7 @@ def test_instructions_first_then_earlier_turns_then_input() -> None:
         stream=True,
     )
     earlier = [{"role": "user", "content": "0"}, {"role": "assistant", "content": "1"}]
-    body = responses._chat_body(req, earlier + responses._input_turns(req))
+    body = responses._chat_body(req, earlier + responses.input_turns(req, earlier))
     assert body["messages"] == [
         {"role": "system", "content": "Be brief."},
         *earlier,
@@ -78,8 +80,23 @@ def test_instructions_first_then_earlier_turns_then_input() -> None:
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
-        ({"tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
-        ({"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "missing_required_parameter", "tools[0].name"),
+        ({"tools": [{"type": "web_search"}]}, "unsupported_value", "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools[0].function"),
+        ({"tools": [{"type": "function", "name": "a b"}]}, "invalid_value", "tools[0].name"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+            "invalid_value",
+            "tools[0].parameters",
+        ),
+        ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "g"}}, "invalid_value", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "unsupported_value", "tool_choice.type"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
+            "invalid_value",
+            "input[0].call_id",
+        ),
         ({"reasoning": {"effort": "low"}}, "unsupported_parameter", "reasoning"),
         ({"background": True}, "unsupported_parameter", "background"),
         ({"include": ["reasoning.encrypted_content"]}, "unsupported_parameter", "include"),
@@ -149,23 +166,24 @@ def test_unknown_model_is_the_chat_services_404() -> None:
 
 
 def test_chat_errors_on_messages_are_named_input() -> None:
-    error = responses._from_chat(ContextLengthError("too long", param="messages"))
+    error = responses.from_chat(ContextLengthError("too long", param="messages"))
     assert isinstance(error, ContextLengthError) and error.param == "input" and error.code == "context_length_exceeded"
     other = ModelNotFoundError("x", param="model")
-    assert responses._from_chat(other) is other
+    assert responses.from_chat(other) is other
 
 
 @pytest.mark.parametrize(("finish", "status"), [("stop", "completed"), ("length", "incomplete")])
 def test_the_response_object_parses_with_the_sdk(finish: str, status: str) -> None:
     req = request(max_output_tokens=16, metadata={"a": "b"}, previous_response_id="resp_0")
     usage = {"prompt_tokens": 3, "completion_tokens": 16}
-    body = responses._response(req, ("resp_1", "msg_1"), 100, MODEL, text="hello", finish_reason=finish, usage=usage)
+    output = responses.output_items({"content": "hello"}, "msg_1", status)
+    body = responses._response(req, "resp_1", 100, MODEL, output, finish, usage)
     parsed = Response.model_validate(body)
     assert parsed.status == status and parsed.output_text == "hello" and parsed.previous_response_id == "resp_0"
     assert parsed.usage is not None and parsed.usage.total_tokens == 19
     assert (parsed.incomplete_details is not None) == (status == "incomplete")
     assert parsed.output[0].status == status  # type: ignore[union-attr]
-    started = Response.model_validate(responses._response(req, ("resp_1", "msg_1"), 100, MODEL, text=None))
+    started = Response.model_validate(responses._response(req, "resp_1", 100, MODEL, None))
     assert started.status == "in_progress" and started.output == [] and started.usage is None
 
 
@@ -186,7 +204,13 @@ def _chat_stream(closed: list[bool], finish: str) -> StreamResult:
 
 async def _events(finish: str, *, take: int | None = None) -> tuple[list[dict[str, Any]], list[bool]]:
     closed: list[bool] = []
-    stream = responses._stream(ctx(), request(store=False), [], _chat_stream(closed, finish), ("resp_1", "msg_1"), 1)
+    req = request(store=False)
+
+    def build(output: list[dict[str, Any]], finish: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        return responses._response(req, "resp_1", 1, MODEL, output, finish, usage)
+
+    started = responses._response(req, "resp_1", 1, MODEL, None)
+    stream = responses_stream.events(_chat_stream(closed, finish), started, "msg_1", build, None)
     events = []
     async for payload in stream:
         events.append(json.loads(payload))
@@ -222,3 +246,132 @@ async def test_a_stream_closed_early_closes_the_chat_stream() -> None:
     events, closed = await _events("stop", take=5)
     assert events[-1]["type"] == "response.output_text.delta"
     assert closed == [True], "the chat stream (and its admission slot) is released at once"
+
+
+# -- function tools: items as chat turns, and a relayed stream's tool-call deltas -------------------------------------
+
+
+def test_function_calls_and_results_are_chat_tool_calls_and_tool_turns() -> None:
+    req = request(
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "f"},
+        parallel_tool_calls=False,
+        input=[
+            {"role": "user", "content": "Go"},
+            {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}", "id": "fc_1"},
+            {"type": "function_call", "call_id": "call_2", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "one"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "two"}]},
+        ],
+    )
+    body = responses._chat_body(req, responses.input_turns(req, []))
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in (1, 2)]
+    assert body["messages"] == [
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "one"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "two"},
+    ]
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": TOOLS[0]["parameters"]}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert body["parallel_tool_calls"] is False
+
+
+def test_a_chat_answer_with_text_and_calls_is_a_message_then_function_call_items() -> None:
+    message = {
+        "content": "Calling.",
+        "tool_calls": [{"id": "call_9", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }
+    output = responses.output_items(message, "msg_1", "completed")
+    body = Response.model_validate(responses._response(request(tools=TOOLS), "resp_1", 1, MODEL, output, "tool_calls"))
+    assert [o.type for o in body.output] == ["message", "function_call"] and body.output_text == "Calling."
+    call = body.output[1]
+    assert call.call_id == "call_9" and call.id is not None and call.id.startswith("fc_")  # type: ignore[union-attr]
+    assert responses.answer_turns(output)[1] == {
+        "type": "function_call",
+        "role": "assistant",
+        "id": call.id,
+        "call_id": "call_9",
+        "name": "f",
+        "arguments": '{"a": 1}',
+    }
+
+
+def _relayed(chunks: list[dict[str, Any]]) -> StreamResult:
+    async def events() -> AsyncIterator[str]:
+        for chunk in chunks:
+            yield json.dumps(chunk)
+        yield "[DONE]"
+
+    return StreamResult(events(), {"X-miLLM-Model": MODEL})
+
+
+async def _run(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    req = request(tools=TOOLS, store=False)
+
+    def build(output: list[dict[str, Any]], finish: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        return responses._response(req, "resp_1", 1, MODEL, output, finish, usage)
+
+    started = responses._response(req, "resp_1", 1, MODEL, None)
+    return [json.loads(e) async for e in responses_stream.events(_relayed(chunks), started, "msg_1", build, None)]
+
+
+def _delta(**delta: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}], "usage": None}
+
+
+async def test_a_relayed_stream_of_tool_call_pieces_becomes_function_call_events() -> None:
+    """An upstream (vLLM's form) streams text, then each call's id and name, then its arguments piece by piece,
+    ``usage: null`` on every chunk and the usage alone at the end: each item is closed before the next opens."""
+    first = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": ""}}
+    events = await _run(
+        [
+            _delta(role="assistant", content=""),
+            _delta(content="Sure."),
+            _delta(tool_calls=[first]),
+            _delta(tool_calls=[{"index": 0, "function": {"arguments": '{"x"'}}]),
+            _delta(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]),
+            _delta(tool_calls=[{"index": 1, "id": "call_b", "function": {"name": "f", "arguments": "{}"}}]),
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "usage": None},
+            {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}},
+        ]
+    )
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = Response.model_validate(events[-1]["response"])
+    assert [o.type for o in final.output] == ["message", "function_call", "function_call"]
+    assert [(o.call_id, o.arguments) for o in final.output[1:]] == [("call_a", '{"x": 1}'), ("call_b", "{}")]  # type: ignore[union-attr]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert final.usage is not None and final.usage.total_tokens == 14
+
+
+async def test_an_error_chunk_of_a_relayed_stream_ends_it_with_an_error_event() -> None:
+    error = {"message": "engine crashed", "type": "server_error", "param": None, "code": "upstream_stream_cut"}
+    events = await _run([_delta(content="Hel"), {"error": error}])
+    assert events[-1] == {
+        "type": "error",
+        "sequence_number": len(events) - 1,
+        "code": "upstream_stream_cut",
+        "message": "engine crashed",
+        "param": None,
+    }
+    assert "response.completed" not in [e["type"] for e in events]

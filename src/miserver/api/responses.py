@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import UnsupportedParameterError
 from ..http_headers import header_values
-from ..protocol.responses import InputItemList, ResponseCreateRequest, ResponseDeleted, ResponseObject
+from ..protocol.responses import ResponseCreateRequest, ResponseDeleted, ResponseObject
+from ..protocol.responses_items import InputItemList
 from ..services.inference import responses as service
 from ..services.inference.context import Call, StreamResult
 from ..services.inference.registry import SERVICES

@@ -1,10 +1,12 @@
 """Pydantic models of the OpenAI Responses API (``POST /v1/responses``): the request, the Response object, the
 deletion object. The resident model reads text only: messages of roles user/assistant/system/developer whose content
 is a string or ``input_text`` parts (an assistant turn may also carry ``output_text`` parts, as a Response's own
-output item does when a client sends it back).
+output item does when a client sends it back), and the items of a function tool's round trip (``function_call``,
+``function_call_output``).
 
-Fields of OpenAI's request that the engine cannot honour (tools, reasoning, background, ...) are declared so that
-the service refuses them by name; content parts and input items that are not text are refused on their ``type``.
+Fields of OpenAI's request that the engine cannot honour (reasoning, background, ...) are declared so that the
+service refuses them by name; content parts and input items that are not text or function calls are refused on their
+``type``. The items ``GET /v1/responses/{id}/input_items`` lists are in :mod:`.responses_items`.
 """
 
 from __future__ import annotations
@@ -117,11 +119,36 @@ class InputMessage(RequestModel):
         return "".join(p.text for p in self.content if isinstance(p, (InputTextPart, OutputTextPart)))
 
 
-#: Input item types of OpenAI's Responses API other than messages: tool calls and their outputs, reasoning,
-#: references to stored items. None can be served by a text-only model without tools.
+class FunctionCallItem(RequestModel):
+    """A call the model made (a Response's ``function_call`` output item, sent back): ``call_id`` pairs it with its
+    ``function_call_output``; ``arguments`` is JSON text."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(RequestModel):
+    """The result of the call ``call_id``: a string, or ``input_text`` parts (joined without separator)."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ContentPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(p.text for p in self.output if isinstance(p, (InputTextPart, OutputTextPart)))
+
+
+#: Input item types of OpenAI's Responses API other than messages and function calls: other tools' calls and their
+#: outputs, reasoning, references to stored items. None can be served by a text-only model with function tools.
 UNSUPPORTED_ITEMS = (
-    "function_call",
-    "function_call_output",
     "custom_tool_call",
     "custom_tool_call_output",
     "reasoning",
@@ -149,14 +176,16 @@ UNSUPPORTED_ITEMS = (
 def _refuse_item(kind: str) -> str:
     raise PydanticCustomError(
         "unsupported_value",
-        f"'{kind}' input items are not supported: this server has no tools, reasoning items or stored items to "
-        "reference; send messages with text content.",
+        f"'{kind}' input items are not supported: this server has function tools only, and no reasoning items or "
+        "stored items to reference; send messages with text content, 'function_call' and 'function_call_output'.",
     )
 
 
 def _unknown_item(kind: str) -> str:
     raise PydanticCustomError(
-        "invalid_value", f"'{kind}' is not an input item type (this server reads items of type 'message')."
+        "invalid_value",
+        f"'{kind}' is not an input item type (this server reads items of type 'message', 'function_call' and "
+        "'function_call_output').",
     )
 
 
@@ -176,11 +205,15 @@ def _item_kind(item: Any) -> str:
     if not isinstance(item, dict) or item.get("type", "message") == "message":
         return "message"
     kind = item.get("type")
+    if kind in ("function_call", "function_call_output"):
+        return str(kind)
     return "unsupported" if isinstance(kind, str) and kind in UNSUPPORTED_ITEMS else "unknown"
 
 
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[UnsupportedItem, Tag("unsupported")]
     | Annotated[UnknownItem, Tag("unknown")],
     Discriminator(_item_kind),
@@ -204,8 +237,9 @@ class ResponseStreamOptions(RequestModel):
 
 
 class ResponseCreateRequest(RequestModel):
-    """``POST /v1/responses``. Fields after ``stream_options`` are OpenAI's but cannot be honoured by the resident
-    engine unless neutral; the service refuses them by name. ``stop`` is no field of OpenAI's Responses API: it is
+    """``POST /v1/responses``. ``tools`` and ``tool_choice`` are checked by the service (function tools only).
+    Fields after ``max_tool_calls`` are OpenAI's but cannot be honoured by the resident engine unless neutral; the
+    service refuses them by name. ``stop`` is no field of OpenAI's Responses API: it is
     declared so that it is refused rather than ignored."""
 
     model: str
@@ -262,6 +296,18 @@ class OutputMessage(ResponseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class OutputFunctionCall(ResponseModel):
+    """A call of a function tool as an output item: ``id`` ``fc_...`` (the item), ``call_id`` ``call_...`` (what
+    the ``function_call_output`` that answers it names), ``arguments`` JSON text."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    arguments: str
 
 
 class InputTokensDetails(ResponseModel):
@@ -322,7 +368,7 @@ class ResponseObject(ResponseModel):
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | OutputFunctionCall]
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     presence_penalty: float = 0.0
@@ -334,8 +380,10 @@ class ResponseObject(ResponseModel):
     store: bool = True
     temperature: float = 1.0
     text: ResponseTextConfig = Field(default_factory=ResponseTextConfig)
-    tool_choice: Literal["auto", "none"] = "auto"
-    tools: list[Any] = Field(default_factory=list)
+    #: ``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function", "name": ...}``, as sent
+    tool_choice: str | dict[str, Any] = "auto"
+    #: the function tools, ``{"type": "function", "name", "description", "parameters", "strict"}`` each
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     top_logprobs: int = 0
     top_p: float = 1.0
     truncation: Literal["disabled"] = "disabled"
@@ -350,41 +398,3 @@ class ResponseDeleted(ResponseModel):
     id: str
     object: Literal["response"] = "response"
     deleted: Literal[True] = True
-
-
-# -- input items ----------------------------------------------------------------------------------------------------
-
-
-class InputItemText(ResponseModel):
-    """A text part of an input item: what the user (or system, developer) said."""
-
-    type: Literal["input_text"] = "input_text"
-    text: str
-
-
-class InputItemOutputText(ResponseModel):
-    """A text part of an input item: an earlier answer of the model."""
-
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = Field(default_factory=list)
-
-
-class StoredInputItem(ResponseModel):
-    """One item that went into a Response: a message of the conversation (earlier turns included)."""
-
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: list[InputItemText | InputItemOutputText]
-    status: Literal["completed"] = "completed"
-
-
-class InputItemList(ResponseModel):
-    """``GET /v1/responses/{id}/input_items``: a page of input items (OpenAI's list envelope)."""
-
-    object: Literal["list"] = "list"
-    data: list[StoredInputItem]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool

@@ -20,8 +20,8 @@ log = logging.getLogger("miserver.upstream")
 
 #: Connections kept beyond ``max_in_flight`` (the probe, a request finishing while the next starts).
 SPARE_CONNECTIONS = 4
-#: The upstream path (under ``/v1``) of each endpoint miServer relays to upstreams; the other endpoints (Responses,
-#: Anthropic Messages, probes, scoring) run on the resident model only.
+#: The upstream path (under ``/v1``) of each endpoint miServer relays to upstreams; Responses reach upstreams as chat
+#: requests, the other endpoints (Anthropic Messages, probes, scoring) run on the resident model only.
 UPSTREAM_PATHS = {
     "/v1/chat/completions": "/chat/completions",
     "/v1/completions": "/completions",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from . import chat, completions, embeddings, messages, probes, responses
+from . import chat, completions, embeddings, messages, probes, responses, responses_rows
 from .context import Call, ServiceContext, ServiceResult, StreamResult
 from .many import Outcome, Plan, run_each
 from .metering import billed
@@ -52,7 +52,7 @@ SERVICES: dict[str, EndpointService] = {
         probes.check, billed("/api/probes/score", probes.create), partial(run_each, probes.create), False
     ),
     "/v1/responses": EndpointService(
-        responses.check, billed("/v1/responses", responses.create), partial(run_each, responses.create), False
+        responses.check, billed("/v1/responses", responses.create), responses_rows.create_many, False
     ),
     "/anthropic/v1/messages": EndpointService(
         messages.check,

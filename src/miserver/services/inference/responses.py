@@ -8,52 +8,61 @@ back into a Response object (or OpenAI's Responses stream events).
 
 ``store`` (default true, as OpenAI's) keeps the Response and its conversation in the database for
 ``GET``/``DELETE /v1/responses/{id}`` and for ``previous_response_id``, for :data:`RETENTION_SECONDS` (30 days, as
-files). Batch rows run :func:`create` too (one at a time: Responses rows never pack).
+files). Batch rows run :func:`create` too (one at a time: Responses rows never pack); rows naming an upstream model
+are sent as chat rows (:mod:`~miserver.services.inference.responses_rows`: :func:`begin`, then :func:`finish`).
+
+Function tools, their calls and their results are chat's tools, ``tool_calls`` and ``tool`` turns (see
+:mod:`~miserver.services.inference.responses_items`); a model served by an upstream pool (gateway mode) is served
+the same way, the chat request going to the upstream's ``/v1/chat/completions``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from ...clock import now
 from ...engines.base import Engine
+from ...engines.upstream import UpstreamPool
 from ...errors import APIError, InvalidRequestError, NotFoundError, UnsupportedParameterError
 from ...ids import ordered_id, random_id
 from ...protocol.parsing import parse_request
 from ...protocol.responses import (
     IncompleteDetails,
-    InputItemList,
-    InputItemOutputText,
-    InputItemText,
-    InputMessage,
+    OutputFunctionCall,
     OutputMessage,
-    OutputText,
-    OutputTextPart,
     ResponseCreateRequest,
     ResponseDeleted,
     ResponseObject,
     ResponseTextConfig,
     ResponseUsage,
-    StoredInputItem,
 )
+from ...protocol.responses_items import InputItemList
 from ...store import responses as store_responses
 from ...store.responses import StoredResponse
 from ..accounts import keys as accounts
-from . import chat, text_format
+from . import chat, responses_stream, routing, text_format
 from .checks import check_metadata
 from .constraints import check_grammar
 from .context import Call, ServiceContext, ServiceResult, StreamResult
+from .responses_items import (
+    Turns,
+    answer_turns,
+    chat_messages,
+    chat_tools,
+    echo_tool_choice,
+    echo_tools,
+    input_turns,
+    listed_item,
+    output_items,
+)
+from .tools import call_grammar, parse_tools
 
 #: How long a stored Response is kept: 30 days after creation, as files (``FILE_DEFAULT_EXPIRY_SECONDS``'s default).
 RETENTION_SECONDS = 2_592_000
 #: Expired Responses are deleted when a Response is stored, at most once per this many seconds per process.
 PRUNE_EVERY_SECONDS = 3600
 _next_prune = {"at": 0}
-
-Turns = list[dict[str, str]]
 
 
 def _unsupported(name: str, why: str) -> UnsupportedParameterError:
@@ -62,17 +71,13 @@ def _unsupported(name: str, why: str) -> UnsupportedParameterError:
 
 def _refuse_unsupported(req: ResponseCreateRequest) -> None:
     """400 ``unsupported_parameter`` naming the first field the resident engine cannot honour; neutral values
-    (empty tools, ``tool_choice`` ``auto``/``none``, ``background`` false, ``truncation`` ``disabled``, ...) pass."""
+    (``background`` false, ``truncation`` ``disabled``, ...) pass."""
     if req.stop is not None:
         raise _unsupported(
             "stop",
             "is not a parameter of OpenAI's Responses API (it has no stop sequences). Send the request to "
             "/v1/chat/completions, which takes 'stop'.",
         )
-    if req.tools:
-        raise _unsupported("tools", "is not supported: the resident engine has no tools.")
-    if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
-        raise _unsupported("tool_choice", "is not supported: the resident engine has no tools.")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise _unsupported("reasoning", "is not supported: the resident model has no reasoning options.")
     if req.background:
@@ -103,45 +108,40 @@ def _check_text_config(form: dict[str, Any] | None, verbosity: str | None) -> No
     text_format.grammar(form)
 
 
-def _input_turns(req: ResponseCreateRequest) -> Turns:
-    """``input`` as chat turns; 400 on an ``output_text`` part outside an assistant message."""
-    if isinstance(req.input, str):
-        return [{"role": "user", "content": req.input}]
-    turns = []
-    for i, item in enumerate(req.input):
-        assert isinstance(item, InputMessage), "other items are refused by the request model"
-        if item.role != "assistant" and not isinstance(item.content, str):
-            for j, part in enumerate(item.content):
-                if isinstance(part, OutputTextPart):
-                    param = f"input[{i}].content[{j}].type"
-                    raise InvalidRequestError(
-                        f"Invalid value for '{param}': 'output_text' parts belong to assistant messages; a "
-                        f"{item.role} message's text is an 'input_text' part.",
-                        param=param,
-                    )
-        turns.append({"role": item.role, "content": item.text()})
-    return turns
-
-
-def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCreateRequest, Engine]:
+def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCreateRequest, Engine | UpstreamPool]:
     """Parse and check a request body without running it (batch validation calls this too): 400 for schema,
-    unknown (strict) and unsupported fields, 404 ``model_not_found`` (resolved as the chat service resolves it).
-    A ``previous_response_id`` is looked up when the request runs."""
+    unknown (strict) and unsupported fields, tools (see
+    :func:`~miserver.services.inference.responses_items.chat_tools`), 404 ``model_not_found`` (resolved as the chat
+    service resolves it). Returns the request and the resident engine, or the upstream pool that serves its model
+    (gateway mode: the chat request goes there). A ``previous_response_id`` is looked up when the request runs."""
     req = parse_request(ResponseCreateRequest, body, strict=strict)
     _refuse_unsupported(req)
     check_metadata(req.metadata)
-    _input_turns(req)
+    input_turns(req, [] if req.previous_response_id is None else None)
+    tool_list, tool_choice = chat_tools(req)
+    pool = routing.target(ctx, body)
+    if pool is not None:
+        routing.check_upstream_context(pool, req)
+        return req, pool
     engine = ctx.resolve_model(req.model)
     form = req.text.format if req.text else None
     check_grammar(engine, text_format.grammar(form), field="text.format", schema_param="text.format.schema")
+    tools = parse_tools(tool_list, tool_choice)  # checked by chat_tools
+    check_grammar(engine, call_grammar(tools) if tools else None, field="tools", schema_param="tools")
     return req, engine
 
 
 def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
     """The chat completion request that computes ``req`` (``turns``: the earlier turns and the input)."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    messages = [{"role": t["role"], "content": t["content"]} for t in turns]  # a stored answer's id stays out
-    body: dict[str, Any] = {"model": req.model, "messages": system + messages}
+    body: dict[str, Any] = {"model": req.model, "messages": system + chat_messages(turns)}
+    tools, tool_choice = chat_tools(req)
+    if tools is not None:
+        body["tools"] = tools
+        if req.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = req.parallel_tool_calls
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
     if req.temperature is not None:
@@ -160,7 +160,7 @@ def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
     return body
 
 
-def _from_chat(exc: APIError) -> APIError:
+def from_chat(exc: APIError) -> APIError:
     """A chat service error named as this route names it: the chat request's ``messages`` are ``input`` here, its
     ``response_format.json_schema`` is ``text.format``."""
     if exc.param is not None and exc.param.startswith("messages"):
@@ -189,28 +189,18 @@ async def _earlier_turns(ctx: ServiceContext, previous_id: str | None) -> Turns:
 
 def _response(
     req: ResponseCreateRequest,
-    ids: tuple[str, str],
+    response_id: str,
     created: int,
     model: str,
-    *,
-    text: str | None,
+    output: list[dict[str, Any]] | None,
     finish_reason: str | None = None,
     usage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The Response object: in progress (``text`` None: no output yet) or finished."""
-    response_id, message_id = ids
-    status = "in_progress" if text is None else "incomplete" if finish_reason == "length" else "completed"
-    output = (
-        []
-        if text is None
-        else [
-            OutputMessage(
-                id=message_id,
-                status="incomplete" if status == "incomplete" else "completed",
-                content=[OutputText(text=text)],
-            )
-        ]
-    )
+    """The Response object: in progress (``output`` None: no output yet) or finished with its ``output`` items
+    (``incomplete`` when the chat finish reason is ``length``); ``usage`` the chat usage (token counts)."""
+    status = "in_progress" if output is None else "incomplete" if finish_reason == "length" else "completed"
+    prompt_tokens = int((usage or {}).get("prompt_tokens") or 0)
+    completion_tokens = int((usage or {}).get("completion_tokens") or 0)
     return ResponseObject(
         id=response_id,
         created_at=created,
@@ -221,7 +211,7 @@ def _response(
         max_output_tokens=req.max_output_tokens,
         max_tool_calls=req.max_tool_calls,
         model=model,
-        output=output,
+        output=[_item(x) for x in output or []],
         parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
         previous_response_id=req.previous_response_id,
         presence_penalty=req.presence_penalty or 0.0,
@@ -230,14 +220,15 @@ def _response(
         safety_identifier=req.safety_identifier,
         store=req.store is not False,
         temperature=1.0 if req.temperature is None else req.temperature,
-        tool_choice="none" if req.tool_choice == "none" else "auto",
+        tool_choice=echo_tool_choice(req),
+        tools=echo_tools(req),
         top_p=1.0 if req.top_p is None else req.top_p,
         usage=ResponseUsage(
-            input_tokens=usage["prompt_tokens"],
-            output_tokens=usage["completion_tokens"],
-            total_tokens=usage["prompt_tokens"] + usage["completion_tokens"],
+            input_tokens=prompt_tokens,
+            output_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
         )
-        if usage is not None
+        if output is not None
         else None,
         user=req.user,
         metadata=req.metadata or {},
@@ -245,14 +236,15 @@ def _response(
     ).model_dump()
 
 
-def _answer_id(response: dict[str, Any]) -> dict[str, str]:
-    output = response.get("output") or []
-    return {"id": str(output[0]["id"])} if output and isinstance(output[0], dict) and output[0].get("id") else {}
+def _item(item: dict[str, Any]) -> OutputMessage | OutputFunctionCall:
+    if item["type"] == "function_call":
+        return OutputFunctionCall.model_validate(item)
+    return OutputMessage.model_validate(item)
 
 
-async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns, text: str) -> None:
-    """Keep ``response`` and its conversation (``turns`` then its answer, with the answer's message id, which it
-    keeps as an input item of the Responses that continue it) for :data:`RETENTION_SECONDS`."""
+async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns) -> None:
+    """Keep ``response`` and its conversation (``turns`` then its output items, with their ids, which they keep as
+    input items of the Responses that continue it) for :data:`RETENTION_SECONDS`."""
     created = int(response["created_at"])
     record = StoredResponse(
         id=response["id"],
@@ -260,7 +252,7 @@ async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns, tex
         created_at=created,
         expires_at=created + RETENTION_SECONDS,
         body=response,
-        turns=[*turns, {"role": "assistant", "content": text, **_answer_id(response)}],
+        turns=[*turns, *answer_turns(response["output"])],
         owner_key_id=accounts.current().owner,
     )
     at = now()
@@ -271,100 +263,75 @@ async def _save(ctx: ServiceContext, response: dict[str, Any], turns: Turns, tex
             _next_prune["at"] = at + PRUNE_EVERY_SECONDS
 
 
-async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
-    """Run a Responses request through the chat service. Returns a :class:`ServiceResult` whose body is the
-    Response object, or a :class:`StreamResult` of Responses stream events (JSON text, each with its ``type`` and
-    ``sequence_number``) when ``stream`` is true. Raises :class:`~miserver.errors.APIError` as the chat service does
-    (a ``messages`` param named ``input``), and 400 ``previous_response_not_found``."""
+@dataclass(frozen=True)
+class Pending:
+    """A checked Responses request as its chat request (``chat_body``), not run yet: ``turns`` the conversation
+    (the ``previous_response_id`` chain's turns, then ``input``), the ids and the time (Unix seconds) of its
+    Response."""
+
+    req: ResponseCreateRequest
+    turns: Turns
+    chat_body: dict[str, Any]
+    response_id: str
+    message_id: str
+    created: int
+
+
+async def begin(ctx: ServiceContext, body: Any, call: Call) -> Pending:
+    """Check ``body`` (:func:`check`), look up its ``previous_response_id`` chain and write its chat request. Raises
+    :class:`~miserver.errors.APIError` as :func:`check` does, 400 ``previous_response_not_found``, and 400 on a
+    ``function_call_output`` that answers no earlier call."""
     req, _engine = check(ctx, body, strict=call.strict)
-    turns = await _earlier_turns(ctx, req.previous_response_id) + _input_turns(req)
-    created = now()
-    ids = (ordered_id("resp_"), random_id("msg_"))
-    try:
-        result = await chat.create(ctx, _chat_body(req, turns), call)
-    except APIError as exc:
-        raise _from_chat(exc) from None
-    if isinstance(result, StreamResult):
-        # the chat stream's own counts (result.usage) bill this stream, also when its client goes away midway
-        return StreamResult(_stream(ctx, req, turns, result, ids, created), result.headers, result.usage)
+    earlier = await _earlier_turns(ctx, req.previous_response_id)
+    turns = earlier + input_turns(req, earlier)
+    return Pending(req, turns, _chat_body(req, turns), ordered_id("resp_"), random_id("msg_"), now())
+
+
+async def finish(ctx: ServiceContext, p: Pending, result: ServiceResult) -> ServiceResult:
+    """The Response of ``p`` from its chat completion ``result`` (the resident engine's or an upstream's), stored
+    unless ``store`` is false; the chat result's headers and token counts."""
     choice = result.body["choices"][0]
-    text = choice["message"]["content"] or ""
-    response = _response(
-        req,
-        ids,
-        created,
-        result.body["model"],
-        text=text,
-        finish_reason=choice["finish_reason"],
-        usage=result.body["usage"],
-    )
-    if req.store is not False:
-        await _save(ctx, response, turns, text)
+    finish_reason = choice.get("finish_reason") or "stop"
+    status = "incomplete" if finish_reason == "length" else "completed"
+    output = output_items(choice["message"], p.message_id, status)
+    usage = result.body.get("usage")
+    response = _response(p.req, p.response_id, p.created, result.body["model"], output, finish_reason, usage)
+    if p.req.store is not False:
+        await _save(ctx, response, p.turns)
     return ServiceResult(200, response, result.headers, result.prompt_tokens, result.completion_tokens)
 
 
-async def _stream(
-    ctx: ServiceContext,
-    req: ResponseCreateRequest,
-    turns: Turns,
-    chat_stream: StreamResult,
-    ids: tuple[str, str],
-    created: int,
-) -> AsyncIterator[str]:
-    """OpenAI's Responses event sequence over the chat service's stream of chunks: ``response.created``,
-    ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
-    ``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
-    ``response.output_item.done``, then ``response.completed`` (or ``response.incomplete``). A failure while
-    generating ends the stream with an ``error`` event."""
-    sequence = 0
-    model = chat_stream.headers.get("X-miLLM-Model", req.model)
-    message_id = ids[1]
-    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+def _streamed(ctx: ServiceContext, p: Pending, result: StreamResult) -> StreamResult:
+    """The Responses events of ``p`` over its chat stream ``result``; the Response is stored when it ends."""
+    model = result.headers.get("X-miLLM-Model", p.req.model)
 
-    def event(kind: str, **fields: Any) -> str:
-        nonlocal sequence
-        payload = json.dumps({"type": kind, "sequence_number": sequence, **fields})
-        sequence += 1
-        return payload
+    def build(output: list[dict[str, Any]], finish_reason: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        return _response(p.req, p.response_id, p.created, model, output, finish_reason, usage)
 
-    started = _response(req, ids, created, model, text=None)
-    yield event("response.created", response=started)
-    yield event("response.in_progress", response=started)
-    item = OutputMessage(id=message_id, status="in_progress", content=[]).model_dump()
-    yield event("response.output_item.added", output_index=0, item=item)
-    yield event("response.content_part.added", **where, part=OutputText(text="").model_dump())
-    pieces: list[str] = []
-    finish_reason = "stop"
-    usage: dict[str, Any] | None = None
+    async def save(response: dict[str, Any]) -> None:
+        await _save(ctx, response, p.turns)
+
+    started = _response(p.req, p.response_id, p.created, model, None)
+    events = responses_stream.events(result, started, p.message_id, build, save if p.req.store is not False else None)
+    # the chat stream's own counts (result.usage) bill this stream, also when its client goes away midway
+    return StreamResult(events, result.headers, result.usage)
+
+
+async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | StreamResult:
+    """Run a Responses request through the chat service (the resident engine, or the upstream pool that serves its
+    model). Returns a :class:`ServiceResult` whose body is the Response object, or a :class:`StreamResult` of
+    Responses stream events (JSON text, each with its ``type`` and ``sequence_number``; see
+    :func:`~miserver.services.inference.responses_stream.events`) when ``stream`` is true. Raises
+    :class:`~miserver.errors.APIError` as :func:`begin` does, and as the chat service does (a ``messages`` param
+    named ``input``)."""
+    p = await begin(ctx, body, call)
     try:
-        async for payload in chat_stream.events:
-            if payload == "[DONE]":
-                break
-            chunk = json.loads(payload)
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                delta = choice["delta"].get("content")
-                if delta:
-                    pieces.append(delta)
-                    yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
-                finish_reason = choice.get("finish_reason") or finish_reason
+        result = await chat.create(ctx, p.chat_body, call)
     except APIError as exc:
-        yield event("error", code=exc.code, message=exc.message, param=exc.param)
-        return
-    finally:  # a client gone mid-stream closes this generator: the chat stream frees the admission slot now
-        close = getattr(chat_stream.events, "aclose", None)
-        if close is not None:
-            await close()
-    text = "".join(pieces)
-    part = OutputText(text=text).model_dump()
-    yield event("response.output_text.done", **where, text=text, logprobs=[])
-    yield event("response.content_part.done", **where, part=part)
-    final = _response(req, ids, created, model, text=text, finish_reason=finish_reason, usage=usage)
-    yield event("response.output_item.done", output_index=0, item=final["output"][0])
-    if req.store is not False:
-        await _save(ctx, final, turns, text)
-    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-    yield event(kind, response=final)
+        raise from_chat(exc) from None
+    if isinstance(result, StreamResult):
+        return _streamed(ctx, p, result)
+    return await finish(ctx, p, result)
 
 
 async def retrieve(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
@@ -378,13 +345,6 @@ async def retrieve(ctx: ServiceContext, response_id: str) -> dict[str, Any]:
 
 #: Largest page of ``GET /v1/responses/{id}/input_items`` (OpenAI's bound); 20 by default.
 INPUT_ITEMS_LIMIT_MAX = 100
-
-
-def input_item_id(turns: list[dict[str, str]], index: int) -> str:
-    """The id of the ``index``-th turn of a conversation that has none of its own (an input turn; an earlier answer
-    keeps its output message's id): a digest of the conversation up to it, so the same on every read (pages go
-    ``after`` it) and the same in every Response that continues the conversation."""
-    return "msg_" + hashlib.sha256(json.dumps(turns[: index + 1]).encode()).hexdigest()[:32]
 
 
 async def input_items(
@@ -403,18 +363,8 @@ async def input_items(
         record = await store_responses.get_response(conn, response_id, now=now())
     if record is None or not accounts.visible(record.owner_key_id):
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
-    items = [
-        StoredInputItem(
-            id=turn.get("id") or input_item_id(record.turns, i),
-            role=turn["role"],  # type: ignore[arg-type]  # the roles a request may send
-            content=[
-                InputItemOutputText(text=turn["content"])
-                if turn["role"] == "assistant"
-                else InputItemText(text=turn["content"])
-            ],
-        )
-        for i, turn in enumerate(record.turns[:-1])  # the last turn is this Response's own answer
-    ]
+    answer = len(record.body.get("output") or []) or 1  # the last turns are this Response's own output items
+    items = [listed_item(record.turns, i) for i in range(len(record.turns) - answer)]
     if order == "desc":
         items.reverse()
     if after is not None:
