@@ -52,6 +52,7 @@ async def load_engine(settings: Settings) -> Engine:
         decode=DecodeOptions(
             settings.decode,
             weights=settings.decode_weights,
+            prefill=settings.prefill,
             compile=settings.compile == "on",
             compile_cache=settings.cache_dir / "inductor",
         ),

@@ -71,6 +71,12 @@ class Settings(BaseSettings):
         description="decode step of the resident model: slots (a static KV cache and a Llama forward over the "
         "model's own weights, where the model is a plain Llama) or transformers (its own forward and cache)",
     )
+    prefill: Literal["slots", "transformers"] = Field(
+        "slots",
+        validation_alias=_env("MISERVER_PREFILL"),
+        description="prefill of a prompt under the slots decode step: slots (its own forward over the prompt, with "
+        "the decode step's weights) or transformers (transformers' own forward, bit for bit)",
+    )
     decode_weights: Literal["packed", "transposed", "view"] = Field(
         "packed",
         validation_alias=_env("MISERVER_DECODE_WEIGHTS"),

@@ -54,19 +54,36 @@ def test_the_tiny_model_is_covered(loaded: LoadedModel) -> None:
     assert isinstance(views, SlotModel) and views.weights == "view"
 
 
+@pytest.mark.parametrize("own_prefill", [False, True])
 @pytest.mark.parametrize("weights", WEIGHT_LAYOUTS)
-def test_greedy_equals_transformers_generate(loaded: LoadedModel, weights: WeightLayout) -> None:
+def test_greedy_equals_transformers_generate(loaded: LoadedModel, weights: WeightLayout, own_prefill: bool) -> None:
     model = loaded.model
     with torch.inference_mode():
         for text in PROMPTS:
             ids = ids_of(loaded, text)
             ref = model.generate(ids[None], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
             want = ref[0, len(ids) :].tolist()
-            got, logits = greedy(SlotModel(model, max_positions=512, weights=weights), 0, ids, 24)
+            cache = SlotModel(model, max_positions=512, weights=weights, own_prefill=own_prefill)
+            got, logits = greedy(cache, 0, ids, 24)
             assert got == want, text
             _, hf_logits = greedy(HFSlots(model, max_positions=512), 0, ids, 24)
-            assert torch.equal(logits[0], hf_logits[0])  # the prefill is transformers' own
+            if not own_prefill:
+                assert torch.equal(logits[0], hf_logits[0])  # the prefill is transformers' own
             assert torch.allclose(logits, hf_logits, atol=1e-4, rtol=0)
+
+
+def test_the_own_prefill_fills_the_cache_as_transformers_does(loaded: LoadedModel) -> None:
+    with torch.inference_mode():
+        ids = ids_of(loaded, PROMPTS[1])
+        own = SlotModel(loaded.model, max_positions=512, weights="packed", own_prefill=True)
+        theirs = SlotModel(loaded.model, max_positions=512, weights="packed")
+        own.prefill(3, ids)
+        theirs.prefill(3, ids)
+        n = len(ids)
+        assert own.length(3) == theirs.length(3) == n
+        for mine, ref in zip(own._keys + own._values, theirs._keys + theirs._values, strict=True):
+            assert torch.allclose(mine[3, :, :n], ref[3, :, :n], atol=1e-5, rtol=0)
+            assert not mine[3, :, n:].any(), "nothing written past the prompt"
 
 
 @pytest.mark.parametrize("weights", WEIGHT_LAYOUTS)

@@ -113,7 +113,13 @@ class SlotModel:
     """
 
     def __init__(
-        self, model: PreTrainedModel, *, max_positions: int, weights: WeightLayout = "view", compile: bool = False
+        self,
+        model: PreTrainedModel,
+        *,
+        max_positions: int,
+        weights: WeightLayout = "view",
+        own_prefill: bool = False,
+        compile: bool = False,
     ) -> None:
         if not supported(model):
             raise ValueError(f"the slot forward does not cover {type(model).__name__} ({model.config.model_type})")
@@ -128,6 +134,7 @@ class SlotModel:
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.layers = len(model.model.layers)
+        self.own_prefill = own_prefill
         self._norm = model.model.norm
         self._norm_eps = float(model.model.norm.variance_epsilon)
         #: the compiled forward (``compile``), or None: eager
@@ -161,14 +168,21 @@ class SlotModel:
 
     def prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         """Run the prompt ``ids`` (``[prompt_len]``, long, ``prompt_len >= 1``) into ``slot`` (its old content is
-        dropped); returns the float32 logits ``[vocab]`` of the last position (transformers' own prefill, bit for
-        bit). Raises ``ValueError`` for an empty prompt or one longer than ``max_positions``."""
+        dropped); returns the float32 logits ``[vocab]`` of the last position: with ``own_prefill``, this module's
+        forward over every position of the prompt (causal attention, the same projections as the decode step);
+        else transformers' own prefill, bit for bit. Raises ``ValueError`` for an empty prompt or one longer than
+        ``max_positions``."""
         n = int(ids.numel())
         if n == 0:
             raise ValueError("the prompt has no tokens")
         if n > self.max_positions:
             raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_positions}")
         self.release(slot)
+        if self.own_prefill:
+            self._reserve(slot, n)
+            logits = self._prefill(ids, slot)
+            self._lengths[slot] = n
+            return logits
         logits, cache = prefill(self.model, ids)
         self._reserve(slot, n)
         for i, layer in enumerate(getattr(cache, "layers", [])):
@@ -266,6 +280,33 @@ class SlotModel:
             hidden = hidden + _project(gated, layer.down, None)
         hidden = _rms_norm(hidden, self._norm.weight, self._norm_eps)
         return _project(hidden, head, head_bias).float()
+
+    def _prefill(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
+        """The forward of the prompt ``ids`` (``[n]``) at positions ``0 .. n - 1`` with causal attention, writing
+        each layer's keys and values into ``slot``'s first ``n`` columns; float32 logits ``[vocab]`` of the last
+        position (the output head runs on that position only)."""
+        n = ids.shape[0]
+        hidden = self._embed(ids)  # [n, hidden]
+        cos, sin = self._cos[:n], self._sin[:n]
+        for i, layer in enumerate(self._weights()):
+            x = _rms_norm(hidden, layer.norm_in, self.eps)
+            q = _project(x, layer.q, layer.q_bias).view(n, self.heads, self.head_dim)
+            k = _project(x, layer.k, layer.k_bias).view(n, self.kv_heads, self.head_dim)
+            v = _project(x, layer.v, layer.v_bias).view(n, self.kv_heads, self.head_dim)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, head_dim]
+            self._keys[i][slot, :, :n] = keys
+            self._values[i][slot, :, :n] = values
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[None], values[None], is_causal=True, enable_gqa=True
+            )  # [1, heads, n, head_dim]
+            hidden = hidden + _project(attn[0].transpose(0, 1).reshape(n, -1), layer.o, layer.o_bias)
+            x = _rms_norm(hidden, layer.norm_post, self.eps)
+            gated = F.silu(_project(x, layer.gate, None)) * _project(x, layer.up, None)
+            hidden = hidden + _project(gated, layer.down, None)
+        last = _rms_norm(hidden[-1:], self._norm.weight, self._norm_eps)
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+        return _project(last, self._matrix(head.weight), head.bias).float()[0]
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
@@ -395,17 +436,19 @@ DecodePath = Literal["slots", "transformers"]
 @dataclass(frozen=True)
 class DecodeOptions:
     """How the step loop decodes: ``path`` ``"slots"`` (:class:`SlotModel` where :func:`supported`) or
-    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, its ``weights`` layout and ``compile`` (see
+    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, its ``weights`` layout, its ``prefill`` (its own
+    forward over the prompt, ``"slots"``, or transformers' bit for bit, ``"transformers"``) and ``compile`` (see
     :class:`SlotModel`), with inductor's compiled artefacts kept under ``compile_cache`` (None: inductor's default
     folder) so that a later start compiles from the cache."""
 
     path: DecodePath = "slots"
     weights: WeightLayout = "packed"
+    prefill: DecodePath = "slots"
     compile: bool = False
     compile_cache: Path | None = None
 
 
-#: The default: the slot forward, eager, with weights prepacked for oneDNN on the CPU.
+#: The default: the slot forward (prefill and decode), eager, with weights prepacked for oneDNN on the CPU.
 DEFAULT_DECODE = DecodeOptions()
 
 
@@ -416,5 +459,11 @@ def make_slots(model: PreTrainedModel, max_positions: int | None, options: Decod
     if options.path == "slots" and max_positions and supported(model):
         if options.compile and options.compile_cache is not None:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(options.compile_cache))
-        return SlotModel(model, max_positions=max_positions, weights=options.weights, compile=options.compile)
+        return SlotModel(
+            model,
+            max_positions=max_positions,
+            weights=options.weights,
+            own_prefill=options.prefill == "slots",
+            compile=options.compile,
+        )
     return HFSlots(model, max_positions=max_positions)
