@@ -17,7 +17,7 @@ import anthropic
 import pytest
 
 from miserver.settings import EMBEDDED_MODEL_ID
-from tests.support.server import ServerProcess, wait_for
+from tests.support.server import ServerProcess, real_model_server, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +36,7 @@ ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("anthropic-tools")
-    proc = ServerProcess(
-        model=MODEL,
-        database_url=f"sqlite:///{tmp / 'miserver.db'}",
-        data_dir=tmp / "var",
-        env={"MISERVER_TORCH_THREADS": "1"},
-    )
+    proc = real_model_server(tmp)
     with proc:
         yield proc
 

@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletion
 
 from miserver.settings import EMBEDDED_MODEL_ID
 from tests.support.agnews import LABELS, SAMPLE, balanced_items, few_shot_messages, predicted_label
-from tests.support.server import ServerProcess, wait_for
+from tests.support.server import ServerProcess, real_model_server, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +59,7 @@ def batch_lines(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("real-model")
-    # one thread: the suite's other worker keeps the second core busy, and two torch threads on a shared core spend
-    # their time waiting for each other
-    server = ServerProcess(
-        model=MODEL,
-        database_url=f"sqlite:///{tmp / 'miserver.db'}",
-        data_dir=tmp / "var",
-        env={"MISERVER_TORCH_THREADS": "1"},
-    )
+    server = real_model_server(tmp)
     with server:
         yield server
 

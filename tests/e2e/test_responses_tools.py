@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from miserver.settings import EMBEDDED_MODEL_ID
 from tests.support.batches import jsonl, line, read_lines, submit, wait_terminal
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, real_model_server
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +49,7 @@ class GetWeather(BaseModel):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("responses-tools")
-    proc = ServerProcess(
-        model=MODEL,
-        database_url=f"sqlite:///{tmp / 'miserver.db'}",
-        data_dir=tmp / "var",
-        env={"MISERVER_TORCH_THREADS": "1"},
-    )
+    proc = real_model_server(tmp)
     with proc:
         yield proc
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from miserver.engines.local.loader import load_tokenizer, resolve_model_source
 from miserver.settings import EMBEDDED_MODEL_ID
 from tests.support.batches import api_error, error_of, jsonl, line, read_lines, submit, wait_terminal
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, real_model_server
 from tests.support.tiny_model import default_cache_dir
 
 pytestmark = pytest.mark.slow
@@ -58,12 +58,7 @@ def body(i: int, **extra: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("structured")
-    proc = ServerProcess(
-        model=MODEL,
-        database_url=f"sqlite:///{tmp / 'miserver.db'}",
-        data_dir=tmp / "var",
-        env={"MISERVER_TORCH_THREADS": "1"},
-    )
+    proc = real_model_server(tmp)
     with proc:
         yield proc
 

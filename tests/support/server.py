@@ -5,8 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from miserver.process import ServerProcess, WorkerProcess, free_port, wait_for
+from miserver.settings import EMBEDDED_MODEL_ID
 
-__all__ = ["ServerProcess", "WorkerProcess", "free_port", "tiny_server_process", "wait_for"]
+__all__ = ["ServerProcess", "WorkerProcess", "free_port", "real_model_server", "tiny_server_process", "wait_for"]
+
+
+def real_model_server(root: Path) -> ServerProcess:
+    """A (not yet started) server for the embedded SmolLM2 with its files under ``root`` (SQLite), its forward passes
+    on one torch thread: the suite's other worker keeps the second core busy, and two torch threads on a shared core
+    spend their time waiting for each other."""
+    return ServerProcess(
+        model=EMBEDDED_MODEL_ID,
+        database_url=f"sqlite:///{root / 'miserver.db'}",
+        data_dir=root / "var",
+        env={"MISERVER_TORCH_THREADS": "1"},
+    )
 
 
 def tiny_server_process(
