@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,28 @@ from miserver.engines.local.loader import LoadedModel, load_model, resolve_model
 from miserver.settings import EMBEDDED_MODEL_ID
 from tests.support.tiny_model import default_cache_dir
 from tests.support.waiting import until
+
+
+@contextmanager
+def forward_passes(engine: LocalEngine) -> Iterator[list[str]]:
+    """Each forward pass of the step loop's cache while the block runs (``"prefill"`` or ``"decode"``), whichever
+    forward the cache runs (its own or transformers')."""
+    calls: list[str] = []
+    cache = engine._steps.cache
+    for name in ("prefill", "decode"):
+        real = getattr(cache, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append(_name)
+            return _real(*args)
+
+        setattr(cache, name, counted)  # an instance attribute over the class's method
+    try:
+        yield calls
+    finally:
+        for name in ("prefill", "decode"):
+            delattr(cache, name)
+
 
 CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
 
@@ -104,16 +128,12 @@ async def test_max_tokens_gives_length(engine: LocalEngine) -> None:
 
 
 async def test_max_tokens_zero_runs_no_model(engine: LocalEngine) -> None:
-    calls: list[int] = []
-    handle = engine.loaded.model.register_forward_hook(lambda *args: calls.append(1))
-    try:
+    with forward_passes(engine) as calls:
         result = await engine.generate(request(engine, n=2, max_tokens=0))
         deltas = await collect(engine, request(engine, max_tokens=0))
         assert calls == [], "the model must not run"
         await engine.generate(request(engine, max_tokens=1))
-        assert calls, "the hook sees the model run (else the first check proves nothing)"
-    finally:
-        handle.remove()
+        assert calls, "the counter sees the model run (else the first check proves nothing)"
     assert [(s.token_ids, s.text, s.finish_reason) for s in result.sequences] == [([], "", "length")] * 2
     assert deltas == [StreamDelta(0, "", finish_reason="length")]
 
@@ -227,17 +247,13 @@ async def test_executions_counter_and_hook(engine: LocalEngine) -> None:
 async def test_closing_a_stream_stops_the_work(engine: LocalEngine) -> None:
     """A stream closed after its first delta leaves at the next step: at most the step running when it closed
     completes, and at most that step's one forward pass runs after the close."""
-    calls: list[int] = []
-    handle = engine.loaded.model.register_forward_hook(lambda *args: calls.append(1))
-    try:
+    with forward_passes(engine) as calls:
         stream = engine.generate_stream(request(engine, max_tokens=400, temperature=1.0))
         async for _ in stream:
             break
         steps, forwards = engine.scheduler.steps, len(calls)
         await stream.aclose()  # type: ignore[attr-defined]
         await engine.scheduler.idle()
-    finally:
-        handle.remove()
     assert forwards >= 1, "the work had started: a delta came out of a forward pass"
     assert engine.scheduler.steps - steps <= 1, "no step ran after the one in progress at the close"
     assert len(calls) - forwards <= 1
