@@ -4,6 +4,7 @@ the store, the resident engine, its admission gate and lease, the residency mana
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import secrets
 import socket
@@ -34,6 +35,10 @@ EngineFactory = Callable[[Settings], Awaitable[Engine]]
 async def load_engine(settings: Settings) -> Engine:
     """The resident engine for ``settings.model`` (imported lazily: torch is heavy), its forward passes on
     ``settings.torch_threads`` CPU threads when set."""
+    # OpenMP's worker threads sleep between parallel regions instead of spinning, unless the environment says
+    # otherwise: the engine thread shares the cores with the event loop, and spinning threads made a chat alone 1.3x
+    # and single-stream decoding 1.2x slower here (bench/peers.py). Read once, as OpenMP starts with torch's import.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .engines.local.engine import LocalEngine
     from .engines.local.slots import DecodeOptions
 
