@@ -156,6 +156,12 @@ def measure(engine: Engine) -> dict[str, Any]:
     return result
 
 
+def _policy(policy: str) -> dict[str, str]:
+    """The environment of an engine under ``policy``: ``OMP_WAIT_POLICY`` set to it, or (``default``) the engine's
+    own choice (miServer's: libgomp's spin count, ``runtime.GOMP_SPINCOUNT``)."""
+    return {} if policy == "default" else {"OMP_WAIT_POLICY": policy}
+
+
 def _peer_rows(engine_ref: list[Engine]) -> Callable[[int, int], float]:
     def rows(n: int, max_tokens: int) -> float:
         wall, _, _ = engine_ref[0].together(n, max_tokens)
@@ -166,7 +172,7 @@ def _peer_rows(engine_ref: list[Engine]) -> Callable[[int, int], float]:
 
 @contextmanager
 def miserver(policy: str, tmp: Path) -> Iterator[Engine]:
-    env = {"OMP_WAIT_POLICY": policy, "MISERVER_TORCH_THREADS": str(THREADS)}
+    env = {"MISERVER_TORCH_THREADS": str(THREADS), **_policy(policy)}
     server = ServerProcess(
         model=MODEL, database_url=f"sqlite:///{tmp}/bench.db", data_dir=tmp / "var", env=env, log_level="warning"
     )
@@ -208,7 +214,7 @@ def llama(policy: str, tmp: Path, binary: Path) -> Iterator[Engine]:
     port = free_port()
     cmd = [str(binary), "-m", str(embedded_gguf_path()), "--alias", MODEL, "-t", str(THREADS), "-tb", str(THREADS)]
     cmd += ["-np", "8", "-c", "4096", "--flash-attn", "off", "--host", "127.0.0.1", "--port", str(port)]
-    process = EngineProcess("llama-server", cmd, tmp / "llama.log", cwd=tmp, env={"OMP_WAIT_POLICY": policy}, port=port)
+    process = EngineProcess("llama-server", cmd, tmp / "llama.log", cwd=tmp, env=_policy(policy), port=port)
     process.start(timeout=300)
     ref: list[Engine] = []
     ref.append(Engine("llama", process.base_url, MODEL, _peer_rows(ref)))
@@ -232,7 +238,7 @@ def transformers_cb(policy: str, tmp: Path) -> Iterator[Engine]:
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HOME": str(tmp / "hf-home"),
         "OMP_NUM_THREADS": str(THREADS),
-        "OMP_WAIT_POLICY": policy,
+        **_policy(policy),
     }
     process = EngineProcess("transformers serve", cmd, tmp / "transformers.log", cwd=tmp, env=env, port=port)
     process.start(timeout=600)
@@ -257,7 +263,7 @@ def start(name: str, policy: str, tmp: Path, binary: Path | None) -> AbstractCon
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default="miserver,llama,transformers-cb")
-    parser.add_argument("--policies", default="ACTIVE,PASSIVE")
+    parser.add_argument("--policies", default="default,ACTIVE,PASSIVE", help="OpenMP wait policies; default: unset")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--llama-server", type=Path, default=None, help="the llama-server binary")
     args = parser.parse_args()

@@ -32,13 +32,19 @@ from .store import upstreams as store_upstreams
 EngineFactory = Callable[[Settings], Awaitable[Engine]]
 
 
+#: Spins of an idle OpenMP worker before it sleeps (GNU libgomp's ``GOMP_SPINCOUNT``; its default is 300,000).
+GOMP_SPINCOUNT = 10_000
+
+
 async def load_engine(settings: Settings) -> Engine:
     """The resident engine for ``settings.model`` (imported lazily: torch is heavy), its forward passes on
     ``settings.torch_threads`` CPU threads when set."""
-    # OpenMP's worker threads sleep between parallel regions instead of spinning, unless the environment says
-    # otherwise: the engine thread shares the cores with the event loop, and spinning threads made a chat alone 1.3x
-    # and single-stream decoding 1.2x slower here (bench/peers.py). Read once, as OpenMP starts with torch's import.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's worker threads (GNU libgomp, as in torch's Linux wheels) spin briefly between parallel regions, then
+    # sleep, unless the environment sets a policy: spinning without end (OMP_WAIT_POLICY=ACTIVE) takes a core from
+    # the event loop, and sleeping at once (PASSIVE) pays a wake-up for each of a decode step's ~600 regions (a
+    # one-row step 26-33 ms against 20 ms here; bench/peers.py). Read once, as OpenMP starts with torch's import.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
     from .engines.local.engine import LocalEngine
     from .engines.local.slots import DecodeOptions
 
