@@ -69,6 +69,10 @@ def _eta_text(b: Any) -> str:
     return parts
 
 
+#: Validation errors ``batch run`` prints (the error file holds them all).
+SHOWN_ERRORS = 5
+
+
 def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool = True) -> Any:
     """Poll until the batch is terminal, with a tqdm progress bar over ``request_counts``."""
     from tqdm import tqdm
@@ -114,9 +118,13 @@ def batch_run(path: str, endpoint: str, window: str, output: str | None, errors:
     counts = final.request_counts
     done = f"{counts.completed} completed, {counts.failed} failed of {counts.total}" if counts else "no rows"
     click.echo(f"{final.id}: {final.status}, {done}")
-    for error in (final.errors.data or [])[:5] if final.errors else []:
+    refused = (final.errors.data or []) if final.errors else []
+    for error in refused[:SHOWN_ERRORS]:
         where = f"line {error.line}: " if error.line else ""
         click.echo(f"  {where}{error.code}: {error.message}", err=True)
+    if len(refused) > SHOWN_ERRORS:
+        more = len(refused) - SHOWN_ERRORS
+        click.echo(f"  ... and {more} more refused at validation (every one is in the error file)", err=True)
     files = [(output, final.output_file_id, "output", "--output")]
     files.append((errors, final.error_file_id, "error lines", "--errors"))
     for target, file_id, what, option in files:

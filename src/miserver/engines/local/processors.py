@@ -67,8 +67,8 @@ class Grammars:
     def compile(self, grammar: Grammar) -> Any:
         """The compiled ``grammar`` (an ``xgrammar.CompiledGrammar``), from the cache or compiled now.
 
-        JSON is compact (no free whitespace between tokens: a small model would otherwise spend its tokens on
-        spaces) and objects admit only the properties the schema names (xgrammar's strict mode, as vLLM uses it).
+        JSON has fixed separators (``", "`` and ``": "``; no free whitespace, which a small model would otherwise
+        spend its tokens on) and objects admit only the properties the schema names (xgrammar's strict mode, as vLLM uses it).
         Raises ``ValueError`` with xgrammar's reason when the schema cannot be compiled, ``NotImplementedError``
         where xgrammar is not installed."""
         with self._lock:

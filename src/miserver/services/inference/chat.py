@@ -120,7 +120,15 @@ def parse(body: Any, *, strict: bool) -> ChatCompletionRequest:
     check_stream_options(req.stream, req.stream_options)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+    calls: set[str] = set()  # the ids of the tool calls made by earlier assistant turns
     for i, message in enumerate(req.messages):
+        if message.role == "tool" and message.tool_call_id and message.tool_call_id not in calls:
+            raise InvalidRequestError(
+                f"Invalid 'messages[{i}].tool_call_id': {message.tool_call_id!r} answers no tool call of an earlier "
+                "assistant turn (a 'tool' turn follows the assistant turn whose 'tool_calls' it answers).",
+                param=f"messages[{i}].tool_call_id",
+            )
+        calls.update(call.id for call in message.tool_calls or [])
         if message.content is None and message.role != "assistant":  # only an assistant turn may omit content
             raise MissingParameterError(
                 f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content"

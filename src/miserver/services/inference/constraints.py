@@ -9,13 +9,18 @@ without ``strict`` the schema is enforced all the same (the engine masks every t
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ...engines.base import Constrains, Engine, Grammar
-from ...errors import InvalidRequestError, MissingParameterError, UnsupportedParameterError
+from ...errors import InvalidRequestError, MissingParameterError, UnknownParameterError, UnsupportedParameterError
 
 #: OpenAI's bounds of a ``logit_bias`` value.
 BIAS_LIMIT = 100.0
+#: The fields of a ``json_schema`` format (chat's ``response_format.json_schema``; flat in Responses' ``text.format``
+#: beside ``type``), and OpenAI's rule for its ``name``.
+SCHEMA_FIELDS = ("name", "description", "schema", "strict")
+FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 #: OpenAI's strict-mode limits: nesting depth of objects and total properties.
 STRICT_MAX_DEPTH = 10
 STRICT_MAX_PROPERTIES = 5000
@@ -51,7 +56,10 @@ def grammar_of(value: dict[str, Any] | None, *, param: str, flat: bool = False) 
     ``value`` is chat's ``response_format`` (``{"type": "json_schema", "json_schema": {"name", "schema",
     "strict"}}``), or with ``flat`` the Responses API's ``text.format`` (``{"type": "json_schema", "name", "schema",
     "strict"}``); ``param`` names it in errors. Raises :class:`InvalidRequestError` (400) for a missing name or
-    schema, a schema that is not a JSON object, or one that breaks the strict-mode rules with ``strict: true``.
+    schema, a name that is not 1-64 letters, digits, ``_`` or ``-``, a ``strict`` or ``description`` of the wrong
+    type, a schema that is not a JSON object, or one that breaks the strict-mode rules with ``strict: true``;
+    :class:`UnknownParameterError` for a field the format does not have (a misspelt one, or ``json_schema`` beside
+    another type), which would otherwise be ignored.
     """
     if value is None:
         return None
@@ -62,6 +70,10 @@ def grammar_of(value: dict[str, Any] | None, *, param: str, flat: bool = False) 
             f"Invalid value for '{param}.type': it {got}; it must be one of 'text', 'json_object', 'json_schema'.",
             param=f"{param}.type",
         )
+    allowed: tuple[str, ...] = ("type",)
+    if kind == "json_schema":
+        allowed = ("type", *SCHEMA_FIELDS) if flat else ("type", "json_schema")
+    _no_other_fields(value, allowed, param, kind)
     if kind == "text":
         return None
     if kind == "json_object":
@@ -70,9 +82,23 @@ def grammar_of(value: dict[str, Any] | None, *, param: str, flat: bool = False) 
     where = param if flat else f"{param}.json_schema"
     if not isinstance(spec, dict):
         raise MissingParameterError(f"Missing required parameter: '{where}'.", param=where)
+    if not flat:
+        _no_other_fields(spec, SCHEMA_FIELDS, where, kind)
     name = spec.get("name")
     if not isinstance(name, str) or not name:
         raise MissingParameterError(f"Missing required parameter: '{where}.name'.", param=f"{where}.name")
+    if not FORMAT_NAME.match(name):
+        raise InvalidRequestError(
+            f"Invalid '{where}.name': {name!r} must be 1-64 letters, digits, underscores or dashes.",
+            param=f"{where}.name",
+        )
+    for field, kinds, label in (("strict", (bool,), "a boolean"), ("description", (str,), "a string")):
+        if spec.get(field) is not None and not isinstance(spec[field], kinds):
+            raise InvalidRequestError(
+                f"Invalid type for '{where}.{field}': expected {label}, got {type(spec[field]).__name__}.",
+                param=f"{where}.{field}",
+                code="invalid_type",
+            )
     schema = spec.get("schema")
     if schema is None:
         raise MissingParameterError(f"Missing required parameter: '{where}.schema'.", param=f"{where}.schema")
@@ -85,6 +111,17 @@ def grammar_of(value: dict[str, Any] | None, *, param: str, flat: bool = False) 
                 f"Invalid schema for response_format '{name}': {problem}", param=f"{where}.schema"
             )
     return Grammar("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+def _no_other_fields(value: dict[str, Any], allowed: tuple[str, ...], where: str, kind: Any) -> None:
+    """Raise :class:`UnknownParameterError` naming the first field of ``value`` outside ``allowed``."""
+    for key in value:
+        if key not in allowed:
+            hint = f" with type {kind!r}" if key in ("json_schema", *SCHEMA_FIELDS) else ""
+            raise UnknownParameterError(
+                f"Unknown parameter: '{where}.{key}'{hint}. Its fields are: {', '.join(allowed)}.",
+                param=f"{where}.{key}",
+            )
 
 
 def strict_errors(schema: dict[str, Any]) -> str | None:

@@ -140,8 +140,14 @@ def parse_tools(tools: list[Any] | None, tool_choice: Any) -> Tools | None:
     if tool_choice in (None, "auto", "none", "required"):
         return choose(parsed, tool_choice or "auto")
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
-        return choose(parsed, "named", str(name) if isinstance(name, str) else None)
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            hint = " (chat names it under 'function', not beside 'type')" if "name" in tool_choice else ""
+            raise MissingParameterError(
+                f"Missing required parameter: 'tool_choice.function.name'{hint}.", param="tool_choice.function.name"
+            )
+        return choose(parsed, "named", name)
     raise InvalidRequestError(
         "Invalid value for 'tool_choice': it must be 'none', 'auto', 'required' or {'type': 'function', "
         "'function': {'name': ...}}.",
