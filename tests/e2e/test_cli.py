@@ -66,6 +66,17 @@ def test_a_failed_batch_says_why_and_exits_1(sqlite_module_server: ServerProcess
     assert "unknown_parameter" in result.stderr and "line 1" in result.stderr
 
 
+def test_a_long_list_of_refused_lines_says_how_many_it_left_out(
+    sqlite_module_server: ServerProcess, tmp_path: Path
+) -> None:
+    source = tmp_path / "many-bad.jsonl"
+    source.write_text("".join(json.dumps(line(f"bad-{i}", chat_body("hi", foo=1))) + "\n" for i in range(8)))
+    result = CliRunner().invoke(main, ["batch", "run", str(source), "--url", sqlite_module_server.base_url])
+    assert result.exit_code == 1
+    assert [f"line {i}:" in result.stderr for i in range(1, 9)] == [True] * 5 + [False] * 3
+    assert "... and 3 more refused at validation (every one is in the error file)" in result.stderr
+
+
 def test_an_unknown_batch_is_one_line_not_a_traceback(sqlite_module_server: ServerProcess) -> None:
     result = CliRunner().invoke(main, ["batch", "status", "batch_nope", "--url", sqlite_module_server.base_url])
     assert result.exit_code == 1
