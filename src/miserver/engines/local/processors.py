@@ -68,7 +68,8 @@ class Grammars:
         """The compiled ``grammar`` (an ``xgrammar.CompiledGrammar``), from the cache or compiled now.
 
         JSON has fixed separators (``", "`` and ``": "``; no free whitespace, which a small model would otherwise
-        spend its tokens on) and objects admit only the properties the schema names (xgrammar's strict mode, as vLLM uses it).
+        spend its tokens on) and objects admit only the properties the schema names (xgrammar's strict mode, as
+        vLLM uses it).
         Raises ``ValueError`` with xgrammar's reason when the schema cannot be compiled, ``NotImplementedError``
         where xgrammar is not installed."""
         with self._lock:

@@ -215,8 +215,9 @@ class ServiceContext:
             names = ", ".join(f"'{u.name}'" for u in pool.members)
             relayed = ", ".join(UPSTREAM_PATHS)
             raise UnsupportedValueError(
-                f"The model '{name}' is served by upstream {names}; miServer relays only {relayed} to upstreams. "
-                "This endpoint runs on the resident model only.",
+                f"The model '{name}' is served by upstream {names}; miServer relays {relayed} to upstreams "
+                "(and /v1/responses and /anthropic/v1/messages, translated to chat). This endpoint runs on the "
+                "resident model only.",
                 param="model",
             )
         upstream = [p.model for p in self.gateway.models() if p.model not in served] if self.gateway else []
