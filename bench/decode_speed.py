@@ -48,9 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from miserver.engines.base import GenerationRequest, SamplingParams  # noqa: E402
+from miserver.engines.local.decoding import DecodeOptions  # noqa: E402
 from miserver.engines.local.engine import LocalEngine  # noqa: E402
 from miserver.engines.local.hf_cache import HFSlots  # noqa: E402
-from miserver.engines.local.slots import DecodeOptions, SlotModel  # noqa: E402
+from miserver.engines.local.slots import SlotModel  # noqa: E402
 from miserver.settings import EMBEDDED_MODEL_ID, Settings  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

@@ -45,8 +45,8 @@ async def load_engine(settings: Settings) -> Engine:
     # one-row step 26-33 ms against 20 ms here; bench/peers.py). Read once, as OpenMP starts with torch's import.
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
+    from .engines.local.decoding import DecodeOptions
     from .engines.local.engine import LocalEngine
-    from .engines.local.slots import DecodeOptions
 
     if settings.torch_threads is not None:
         import torch

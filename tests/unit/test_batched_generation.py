@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from miserver.engines.base import Generated, GeneratesMany, GenerationRequest, GenerationResult, SamplingParams
+from miserver.engines.local.decoding import DecodeOptions
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import load_model, resolve_model_source
-from miserver.engines.local.slots import DecodeOptions
 from miserver.engines.local.steps import Start, Update
 
 PROMPTS = [

@@ -16,9 +16,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from miserver.engines.local import slots as slots_module
+from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.hf_cache import HFSlots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slots import WEIGHT_LAYOUTS, DecodeOptions, SlotModel, WeightLayout, make_slots, supported
+from miserver.engines.local.slots import WEIGHT_LAYOUTS, SlotModel, WeightLayout, supported
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why", "a b c d e f g"]
 

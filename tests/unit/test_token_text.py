@@ -29,10 +29,10 @@ import torch
 
 from miserver.batches.packing import budget_packs
 from miserver.engines.base import GenerationRequest, SamplingParams, TokenLogprob
+from miserver.engines.local.decoding import DecodeOptions
 from miserver.engines.local.detokenize import TextStream, _Output, text_pieces, token_texts
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.generate import logprobs_of
-from miserver.engines.local.slots import DecodeOptions
 from miserver.scheduling.admission import AdmissionGate, Priority
 from miserver.services.inference import chat, completions
 from miserver.services.inference.context import Call, ServiceContext, ServiceResult, StreamResult

@@ -30,13 +30,13 @@ from miserver.engines.base import (
     StreamDelta,
     Vector,
 )
+from miserver.engines.local.decoding import DEFAULT_DECODE, DecodeOptions, make_slots
 from miserver.engines.local.embed import pool_pack
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.processors import BACKEND as GRAMMAR_BACKEND
 from miserver.engines.local.processors import CacheStats, Grammars
 from miserver.engines.local.scheduler import Group, StepScheduler, Ticket
 from miserver.engines.local.score import score_pack
-from miserver.engines.local.slots import DEFAULT_DECODE, DecodeOptions, make_slots
 from miserver.engines.local.steps import Start, StepBatch, Update
 
 _T = TypeVar("_T")

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, get_args
 
 import torch
@@ -33,8 +31,6 @@ import torch.nn.functional as F  # noqa: N812
 from transformers import PreTrainedModel
 
 from miserver.engines.local.generate import prefill
-from miserver.engines.local.hf_cache import HFSlots
-from miserver.engines.local.steps import Slots
 
 log = logging.getLogger(__name__)
 
@@ -428,42 +424,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos[:, None, :]) + (rotated * sin[:, None, :])
-
-
-DecodePath = Literal["slots", "transformers"]
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How the step loop decodes: ``path`` ``"slots"`` (:class:`SlotModel` where :func:`supported`) or
-    ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, its ``weights`` layout, its ``prefill`` (its own
-    forward over the prompt, ``"slots"``, or transformers' bit for bit, ``"transformers"``) and ``compile`` (see
-    :class:`SlotModel`), with inductor's compiled artefacts kept under ``compile_cache`` (None: inductor's default
-    folder) so that a later start compiles from the cache."""
-
-    path: DecodePath = "slots"
-    weights: WeightLayout = "packed"
-    prefill: DecodePath = "slots"
-    compile: bool = False
-    compile_cache: Path | None = None
-
-
-#: The default: the slot forward (prefill and decode), eager, with weights prepacked for oneDNN on the CPU.
-DEFAULT_DECODE = DecodeOptions()
-
-
-def make_slots(model: PreTrainedModel, max_positions: int | None, options: DecodeOptions = DEFAULT_DECODE) -> Slots:
-    """The step loop's cache for ``model``: a :class:`SlotModel` when ``options.path`` is ``"slots"``, the model is
-    :func:`supported` and its context length ``max_positions`` is known; transformers' own cache
-    (``hf_cache.HFSlots``) otherwise."""
-    if options.path == "slots" and max_positions and supported(model):
-        if options.compile and options.compile_cache is not None:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(options.compile_cache))
-        return SlotModel(
-            model,
-            max_positions=max_positions,
-            weights=options.weights,
-            own_prefill=options.prefill == "slots",
-            compile=options.compile,
-        )
-    return HFSlots(model, max_positions=max_positions)
