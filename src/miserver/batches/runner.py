@@ -35,7 +35,7 @@ from ..store import model_life as store_models
 from ..store import operations as store_operations
 from ..store import rows as store_rows
 from ..store.batches import BatchRecord, StaleStatus
-from . import fair_turns, output
+from . import estimates, fair_turns, output
 from .readiness import Readiness, readiness, release_lease_of_finished, release_own_lease
 from .resident_runs import ResidentRuns
 from .run_state import RunState
@@ -189,7 +189,7 @@ class BatchRunner:
         decision = scheduling.plan(
             candidates, now=self.clock(), rate_of=rate_of, fair=fair, hours=self.hours, margin=self.margin
         )
-        await self._store_estimates(running, decision, pending)
+        await estimates.store_estimates(self.store, running, decision, pending, self.clock(), self.upstream.serves)
         for batch_id, reason in decision.waiting.items():
             await self.state.set_waiting(by_id[batch_id], reason, None)
         # batches whose rows go to upstream pools do not share the resident engine: each takes its step
@@ -214,30 +214,6 @@ class BatchRunner:
         return await fair_turns.shared_counts(
             self.store, candidates, worker_id=self.worker_id, credit_rows=self.credit_rows
         )
-
-    async def _store_estimates(
-        self, running: list[BatchRecord], decision: scheduling.Decision, pending: dict[str, int]
-    ) -> None:
-        """Store each running batch's ETA (``millm.estimated_completion_at``) where it moved by 2 s or more: the
-        plan's (the resident engine's measured rate, shared in the plan's order), and for a batch that runs on
-        upstream pools, which run side by side and do not share that engine, its own rate so far
-        (:func:`scheduling.eta_from_progress`)."""
-        changed = []
-        clock = self.clock()
-        for b in running:
-            eta = decision.eta.get(b.id)
-            if b.id not in decision.waiting and self.upstream.serves(b):
-                eta = scheduling.eta_from_progress(
-                    recorded=b.completed + b.failed, pending=pending.get(b.id, 0), since=b.in_progress_at, now=clock
-                )
-            new = int(eta) if eta is not None else None
-            old = b.estimated_completion_at
-            if (new is None) != (old is None) or (new is not None and old is not None and abs(new - old) >= 2):
-                changed.append((b.id, new))
-        if changed:
-            async with self.store.tx() as conn:
-                for batch_id, value in changed:
-                    await store_operations.set_estimate(conn, batch_id, value)
 
     async def _yield_share(self) -> None:
         """With ``MISERVER_BATCH_SHARE`` below 1, while interactive requests keep arriving (one admitted in the last
