@@ -286,3 +286,41 @@ def test_a_batch_with_tools(server: ServerProcess) -> None:
         assert choice["finish_reason"] == "tool_calls"
         (call,) = choice["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_one_openai_batch_file_with_every_field_runs_unchanged(server: ServerProcess, pack: bool) -> None:
+    """A file as an OpenAI Batch job would take it: json_schema, tools, logit_bias and penalties side by side."""
+    client = server.client(timeout=60.0)
+    fruits = [{"role": "user", "content": "Name three fruits."}]
+    plain = client.chat.completions.create(model=MODEL, messages=fruits, max_tokens=12, temperature=0, logprobs=True)
+    assert plain.choices[0].logprobs and plain.choices[0].logprobs.content
+    first = plain.choices[0].logprobs.content[0].token
+    tokenizer = load_tokenizer(resolve_model_source(MODEL), default_cache_dir())
+    (token_id,) = tokenizer.convert_tokens_to_ids([tokenizer.tokenize(first)[0]])
+    ask = {"model": MODEL, "messages": fruits, "max_tokens": 12, "temperature": 0, "logprobs": True}
+    weather = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 40}
+    lines = [
+        line("schema", body(3)),
+        line("tools", {**weather, "temperature": 0}),
+        line("plain", ask),
+        line("banned", {**ask, "logit_bias": {str(token_id): -100}}),
+        line("penalised", {**ask, "frequency_penalty": 2.0, "presence_penalty": 2.0}),
+    ]
+    done = wait_terminal(client, submit(client, jsonl(lines), extra_body={"pack": pack}).id, timeout=600)
+    assert done.status == "completed" and done.request_counts and done.request_counts.failed == 0, done
+    out = {o["custom_id"]: o["response"] for o in read_lines(client, done.output_file_id)}
+    assert sorted(out) == sorted(x["custom_id"] for x in lines)
+    assert all(r["status_code"] == 200 for r in out.values())
+    schema = out["schema"]["body"]["choices"][0]
+    assert schema["finish_reason"] == "stop" and Person.model_validate_json(schema["message"]["content"])
+    assert out["schema"]["millm"]["headers"]["X-miLLM-Grammar"] == "xgrammar"
+    tools = out["tools"]["body"]["choices"][0]
+    assert tools["finish_reason"] == "tool_calls"
+    (call,) = tools["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+    texts = {k: out[k]["body"]["choices"][0]["message"]["content"] for k in ("plain", "banned", "penalised")}
+    tokens = {k: [t["token"] for t in out[k]["body"]["choices"][0]["logprobs"]["content"]] for k in texts}
+    assert tokens["plain"][0] == first, "the row without processors answers as the route does"
+    assert tokens["banned"][0] != first, "logit_bias -100 on the first token: the row starts otherwise"
+    assert texts["penalised"] != texts["plain"], "penalties of 2.0 change a greedy 12-token answer"
