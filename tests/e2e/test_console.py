@@ -3,12 +3,15 @@ a browser download) against a real ``miserver serve`` with the tiny model, API k
 
 One server and one browser for the module. The journey: a wrong key refused, sign in, upload and create a job,
 watch its progress bar reach completed over the live socket, search it by description, cancel a second job,
-download both files of the first and compare them with the API's bytes, read the usage page; no request leaves
-the server. Screenshots of each page go to ``test-artifacts/console/`` (``MISERVER_ARTIFACTS_DIR`` overrides).
+download both files of the first and compare them with the API's bytes, read the usage page, read the Keys page
+as a member, an admin and a key with one scope; no request leaves the server. Screenshots of each page go to
+``test-artifacts/console/`` (``MISERVER_ARTIFACTS_DIR`` overrides).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -22,6 +25,7 @@ import httpx
 import pytest
 from playwright import sync_api as playwright_api
 
+from tests.e2e.test_console_layout import OVERFLOWS
 from tests.support.batches import chat_body, jsonl, line, submit, wait_terminal
 from tests.support.server import ServerProcess, tiny_server_process
 
@@ -47,9 +51,10 @@ class Console:
     def url(self, path: str) -> str:
         return self.server.base_url + path
 
-    def shot(self, name: str) -> None:
+    def shot(self, name: str, page: Any = None) -> None:
+        """A full-page screenshot of ``page`` (the module's page by default) as ``<name>.png``."""
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+        (page or self.page).screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +233,99 @@ def test_usage_page(console: Console) -> None:
     assert rows[0] == "day,model,requests,input_tokens,output_tokens,cost" and len(rows) >= 2
 
 
+@contextlib.contextmanager
+def _signed_in(console: Console, key: str, width: int = 1280) -> Iterator[Any]:
+    """A page of a fresh browser context signed in with ``key`` (apart from the module's page and its cookie)."""
+    context = console.page.context.browser.new_context(viewport={"width": width, "height": 800})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        page.goto(console.url("/console/signin"))
+        page.get_by_label("API key").fill(key)
+        page.get_by_role("button", name="Sign in").click()
+        page.wait_for_url(console.url("/console/"))
+        yield page
+    finally:
+        context.close()
+
+
+def _key_rows(page: Any) -> dict[str, dict[str, str]]:
+    """The Keys table of ``page``: key id -> ``{scopes, grant, revoked}`` as the page reads them."""
+    rows: dict[str, dict[str, str]] = {}
+    for row in page.locator("#keys tbody tr").all():
+        fields = {f: row.locator(f'[data-field="{f}"]') for f in ("scope-list", "grant", "revoked")}
+        shown = {f: loc.inner_text().strip() if loc.count() else "" for f, loc in fields.items()}
+        rows[str(row.get_attribute("data-key-id"))] = {
+            "scopes": shown["scope-list"],
+            "grant": shown["grant"],
+            "revoked": shown["revoked"],
+        }
+    return rows
+
+
+def _assert_no_secret(html: str, *keys: str) -> None:
+    """No 12 characters in a row of any of ``keys`` (the shown prefix is 11) nor of its SHA-256 digest are in
+    ``html``."""
+    for key in keys:
+        for text in (key, hashlib.sha256(key.encode()).hexdigest()):
+            leaked = [text[i : i + 12] for i in range(len(text) - 11) if text[i : i + 12] in html]
+            assert leaked == [], leaked
+
+
+def _assert_fits(page: Any, name: str) -> None:
+    measured = page.evaluate(OVERFLOWS)
+    assert measured["page"] <= 0 and measured["found"] == [], (name, measured)
+
+
+def test_a_member_sees_only_its_own_key_with_its_scopes(console: Console) -> None:
+    page = console.page
+    page.goto(console.url("/console/"))
+    page.get_by_role("navigation", name="Console").get_by_role("link", name="Keys").click()
+    page.wait_for_url(console.url("/console/keys"))
+    rows = _key_rows(page)
+    assert list(rows) == [console.member_id]
+    assert rows[console.member_id]["scopes"] == "inference, batches, files"
+    assert rows[console.member_id]["grant"] == "(member default)"
+    assert page.locator("#keys th", has_text="Revoked").count() == 0
+    text = page.locator("main").inner_text()
+    assert "analyst" in text and "root" not in text
+    html = page.request.get(console.url("/console/keys")).text()
+    assert console.member_id in html and console.admin[:11] not in html  # not even the admin key's prefix
+    _assert_no_secret(html, console.member, console.admin)
+    console.shot("keys-member")
+
+
+def test_an_admin_sees_every_key_and_a_scoped_key_its_one_scope(console: Console) -> None:
+    http = console.server.http()
+    admin = {"Authorization": f"Bearer {console.admin}"}
+    made = http.post("/api/keys", json={"name": "scoped", "scopes": ["inference"]}, headers=admin).json()
+    retired = http.post("/api/keys", json={"name": "retired"}, headers=admin).json()
+    assert http.post(f"/api/keys/{retired['id']}/revoke", headers=admin).status_code == 200
+    every = http.get("/api/keys", headers=admin).json()["data"]
+    root_id = next(k["id"] for k in every if k["name"] == "root")
+    with _signed_in(console, console.admin) as page:
+        page.goto(console.url("/console/keys"))
+        rows = _key_rows(page)
+        assert list(rows) == [k["id"] for k in every]  # every key, oldest first, revoked ones too
+        assert rows[root_id]["scopes"] == "inference, batches, files, models:write, admin"
+        assert rows[root_id]["grant"] == "(admin key: every scope)"
+        assert rows[console.member_id]["grant"] == "(member default)"
+        assert rows[made["id"]] == {"scopes": "inference", "grant": "(chosen when made)", "revoked": "no"}
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", rows[retired["id"]]["revoked"])
+        assert rows[console.member_id]["revoked"] == "no"
+        html = page.request.get(console.url("/console/keys")).text()
+        _assert_no_secret(html, console.admin, console.member, made["key"], retired["key"])
+        console.shot("keys-admin", page)
+        _assert_fits(page, "keys-admin-1280")
+        page.set_viewport_size({"width": 390, "height": 844})
+        _assert_fits(page, "keys-admin-390")
+        console.shot("keys-admin-phone", page)
+    with _signed_in(console, made["key"]) as page:
+        page.goto(console.url("/console/keys"))
+        assert _key_rows(page) == {made["id"]: {"scopes": "inference", "grant": "(chosen when made)", "revoked": ""}}
+        _assert_no_secret(page.request.get(console.url("/console/keys")).text(), made["key"], console.admin)
+
+
 def test_phone_width_and_no_request_leaves_the_server(console: Console) -> None:
     page = console.page
     page.set_viewport_size({"width": 390, "height": 844})
@@ -264,7 +362,8 @@ def test_served_pages_name_no_other_host_and_wrong_keys_are_limited(console: Con
     signed = httpx.Client(base_url=console.server.base_url)
     for c in console.page.context.cookies():
         signed.cookies.set(c["name"], c["value"])
-    pages = ["/console/", "/console/batches/new", "/console/usage", f"/console/batches/{console.batches['first']}"]
+    pages = ["/console/", "/console/batches/new", "/console/usage", "/console/keys"]
+    pages += [f"/console/batches/{console.batches['first']}"]
     pages += ["/console/static/console.js", "/console/static/console.css", "/console/signin"]
     for path in pages:
         answer = signed.get(path)

@@ -87,6 +87,7 @@ def test_every_page_fits_the_window(server: ServerProcess, batch: Any, browser: 
             ("results", f"/console/batches/{batch.id}?tab=results"),
             ("create", "/console/batches/new"),
             ("usage", "/console/usage"),
+            ("keys", "/console/keys"),
         ):
             page.goto(server.base_url + path)
             measured = page.evaluate(OVERFLOWS)

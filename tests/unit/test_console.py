@@ -1,5 +1,5 @@
 """The console's pure parts: the VENDOR list of static files and their checksums, sessions and their expiry, the
-wrong-key limit, redirect targets, window choices, money and the usage chart (zero-filled days)."""
+wrong-key limit, redirect targets, window choices, money, the usage chart (zero-filled days) and a Keys page row."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from importlib import resources
 
 from miserver.console.app import CSP
 from miserver.console.pages.create import window_choices
+from miserver.console.pages.keys import key_row
 from miserver.console.pages.render import count, money, size, window_label
 from miserver.console.pages.usage import chart
 from miserver.console.sessions import FailureLimit, Sessions
 from miserver.console.state import safe_next
 from miserver.services.batch_api.job_search import UsageGrid, realtime_equivalent
+from miserver.store.keys import KeyRecord
 
 
 class Clock:
@@ -126,3 +128,14 @@ def test_sizes_and_counts_read_as_people_read_them() -> None:
         "200 MiB",
     ]
     assert count(50_000) == "50,000"
+
+
+def test_a_keys_page_row_shows_the_effective_scopes_and_where_they_come_from() -> None:
+    def record(admin: bool = False, scopes: tuple[str, ...] | None = None) -> KeyRecord:
+        return KeyRecord("key_1", "k", "sk-abcdefgh", admin, None, None, None, 100, None, scopes)
+
+    member, chosen, admin = key_row(record()), key_row(record(scopes=("inference",))), key_row(record(admin=True))
+    assert (member["scopes"], member["grant"]) == (["inference", "batches", "files"], "default")
+    assert (chosen["scopes"], chosen["grant"]) == (["inference"], "chosen")
+    assert (admin["scopes"], admin["grant"]) == (["inference", "batches", "files", "models:write", "admin"], "admin")
+    assert set(member) == {"id", "name", "prefix", "admin", "scopes", "created_at", "revoked_at", "grant"}
