@@ -1,7 +1,8 @@
 """The one row loop (``batches.chunks.run_chunk``) on a packed window, on SQLite and PostgreSQL, with the tiny model.
 
 Rows are claimed as the runner claims them; the loop records every row once with the claim token, marks the rows
-that ran in a pack, lets a refused row fail alone, and ends at a pack boundary when an interactive request waits.
+that ran in a pack, lets a refused row fail alone, and keeps its window open while an interactive request waits (the
+step scheduler starts that request at the next decode step beside the rows in flight).
 """
 
 from __future__ import annotations
