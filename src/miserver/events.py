@@ -3,7 +3,9 @@
 A client joins a batch's room by emitting ``subscribe`` with ``{"batch_id": ...}``. Once the database holds API keys
 a client connects with one (Socket.IO ``auth={"api_key": "sk-..."}``, or an ``Authorization: Bearer`` header) and
 may subscribe only to its own key's batches (an admin key: to any); another key's batch answers "no batch", as the
-HTTP routes answer 404, so its events never reach the client. The server emits ``batch:progress``
+HTTP routes answer 404, so its events never reach the client. A subscribe needs the scope that reading the batch over
+HTTP needs (``batches``; the answer names it, as the API's 403 ``insufficient_scope`` does), and the key is re-read
+at each subscribe, so a key revoked since the connection hears nothing more. The server emits ``batch:progress``
 ``{id, status, request_counts, millm: {waiting_reason}}`` to that room on every change of status or counts: at once
 for changes made by this process, and within ``poll_seconds`` for changes made by other processes (workers sharing
 PostgreSQL).
@@ -21,6 +23,7 @@ import socketio
 
 from .errors import APIError
 from .services.accounts import keys as accounts
+from .services.accounts.scopes import check_scopes, needed_scopes
 from .store import Store
 from .store import batches as store_batches
 
@@ -29,6 +32,8 @@ log = logging.getLogger("miserver.events")
 EVENT = "batch:progress"
 #: The event of a model load's progress (``services/model_life/residency.py``).
 MODEL_LOADING = "model:loading"
+#: The API route whose scopes a client needs to subscribe to a batch's events (reading the batch: ``batches``).
+SUBSCRIBE_TWIN = ("GET", "/v1/batches/{batch_id}")
 
 
 def room(batch_id: str) -> str:
@@ -91,12 +96,24 @@ class ProgressEvents:
         return principal if isinstance(principal, accounts.Principal) else accounts.SYSTEM
 
     async def _subscribe(self, sid: str, data: Any) -> dict[str, Any]:
+        """Join the room of ``{"batch_id"}`` -> ``{"ok": true}``, or ``{"ok": false, "error"}`` (with ``"code":
+        "insufficient_scope"`` for a key without the scope that reading the batch over HTTP needs)."""
         batch_id = data.get("batch_id") if isinstance(data, dict) else None
         if not isinstance(batch_id, str):
             return {"ok": False, "error": 'send {"batch_id": "batch_..."}'}
+        principal = await self._principal(sid)
+        if principal.key_id is not None:  # the key as it is now: revoked since the connection, it hears nothing
+            now = await accounts.principal_by_id(self.store, principal.key_id)
+            if now is None:
+                return {"ok": False, "error": "The API key of this connection is revoked.", "code": "invalid_api_key"}
+            principal = now
+        try:
+            check_scopes(principal.scopes, needed_scopes(*SUBSCRIBE_TWIN, {}))
+        except APIError as exc:
+            return {"ok": False, "error": exc.message, "code": exc.code}
         async with self.store.tx() as conn:
             batch = await store_batches.get_batch(conn, batch_id)
-        scope = (await self._principal(sid)).scope
+        scope = principal.scope
         if batch is None or (scope is not None and batch.owner_key_id != scope):
             return {"ok": False, "error": f"no batch {batch_id}"}
         await self.sio.enter_room(sid, room(batch_id))

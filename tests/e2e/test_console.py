@@ -4,7 +4,8 @@ a browser download) against a real ``miserver serve`` with the tiny model, API k
 One server and one browser for the module. The journey: a wrong key refused, sign in, upload and create a job,
 watch its progress bar reach completed over the live socket, search it by description, cancel a second job,
 download both files of the first and compare them with the API's bytes, read the usage page, read the Keys page
-as a member, an admin and a key with one scope; no request leaves the server. Screenshots of each page go to
+as a member, an admin and a key with one scope (which the console refuses a job's page, as the API would); no
+request leaves the server. Screenshots of each page go to
 ``test-artifacts/console/`` (``MISERVER_ARTIFACTS_DIR`` overrides).
 """
 
@@ -234,8 +235,9 @@ def test_usage_page(console: Console) -> None:
 
 
 @contextlib.contextmanager
-def _signed_in(console: Console, key: str, width: int = 1280) -> Iterator[Any]:
-    """A page of a fresh browser context signed in with ``key`` (apart from the module's page and its cookie)."""
+def _signed_in(console: Console, key: str, width: int = 1280, lands: str = "/console/") -> Iterator[Any]:
+    """A page of a fresh browser context signed in with ``key`` (apart from the module's page and its cookie), on
+    the page sign-in ``lands`` on (the Usage page for a key without ``batches``)."""
     context = console.page.context.browser.new_context(viewport={"width": width, "height": 800})
     page = context.new_page()
     page.set_default_timeout(30_000)
@@ -243,7 +245,7 @@ def _signed_in(console: Console, key: str, width: int = 1280) -> Iterator[Any]:
         page.goto(console.url("/console/signin"))
         page.get_by_label("API key").fill(key)
         page.get_by_role("button", name="Sign in").click()
-        page.wait_for_url(console.url("/console/"))
+        page.wait_for_url(console.url(lands))
         yield page
     finally:
         context.close()
@@ -320,10 +322,16 @@ def test_an_admin_sees_every_key_and_a_scoped_key_its_one_scope(console: Console
         page.set_viewport_size({"width": 390, "height": 844})
         _assert_fits(page, "keys-admin-390")
         console.shot("keys-admin-phone", page)
-    with _signed_in(console, made["key"]) as page:
+    with _signed_in(console, made["key"], lands="/console/usage") as page:
         page.goto(console.url("/console/keys"))
         assert _key_rows(page) == {made["id"]: {"scopes": "inference", "grant": "(chosen when made)", "revoked": ""}}
         _assert_no_secret(page.request.get(console.url("/console/keys")).text(), made["key"], console.admin)
+        nav = page.get_by_role("navigation", name="Console")
+        assert nav.get_by_role("link").all_inner_texts() == ["Usage", "Keys"]  # only what its scopes allow
+        answer = page.goto(console.url(f"/console/batches/{console.batches['first']}"))
+        assert answer is not None and answer.status == 403
+        assert "lacks the 'batches' scope" in page.get_by_role("alert").inner_text()
+        console.shot("scope-refused", page)
 
 
 def test_phone_width_and_no_request_leaves_the_server(console: Console) -> None:

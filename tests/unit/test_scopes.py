@@ -14,6 +14,7 @@ from fastapi import routing
 from starlette.routing import Mount
 
 from miserver.app import create_app
+from miserver.console.access import TWINS, UNLISTED, console_scopes
 from miserver.protocol.accounts import MEMBER_DEFAULT_SCOPES
 from miserver.services.accounts import keys as accounts
 from miserver.services.accounts.scopes import ROUTE_SCOPES, needed_scopes
@@ -47,6 +48,22 @@ def test_the_table_names_only_routes_that_exist_and_every_model_change_needs_mod
     assert {route: ROUTE_SCOPES.get(route) for route in changes} == dict.fromkeys(changes, "models:write")
     assert needed_scopes("POST", "/v1/batches", {"x-millm-lease": "lease_0"}) == ("batches", "models:write")
     assert needed_scopes("POST", "/v1/batches", {}) == ("batches",)
+
+
+def test_every_console_route_names_api_twins_that_exist(tmp_path: Path) -> None:
+    """Each console route needs the scopes of its API twins (``console/access.py``): the table names every console
+    route and only API routes that exist, so a new page cannot go unchecked and a changed API scope is followed."""
+    settings = Settings(no_model=True, data_dir=tmp_path / "var", database_url=f"sqlite:///{tmp_path / 'db'}")
+    app = create_app(settings)
+    console = next(r.app for r in app.routes if isinstance(r, Mount) and r.path == "/console")
+    assert set(TWINS) == app_routes(console)
+    twins = {twin for listed in TWINS.values() for twin in listed}
+    assert twins <= app_routes(app), sorted(twins - app_routes(app))
+    assert console_scopes("GET", "/") == console_scopes("POST", "/batches/{batch_id}/cancel") == ("batches",)
+    assert console_scopes("POST", "/upload") == console_scopes("GET", "/files/{file_id}/content") == ("files",)
+    assert console_scopes("GET", "/batches/new") == ("batches", "files")
+    assert console_scopes("HEAD", "/usage") == console_scopes("GET", "/keys") == console_scopes("POST", "/signin") == ()
+    assert console_scopes("GET", "/not-a-page") == UNLISTED == ("admin",)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The console as its own ASGI application, mounted at ``/console`` by ``create_app``: who the browser is (the
 session cookie, :class:`ConsoleAuth`), the security headers, and the error pages. The pages are in ``pages/``,
-what both share in ``state.py``.
+what both share in ``state.py``, and the scopes each page needs (those of its API twin) in ``access.py``.
 
 A request without a live session is sent to the sign-in page, except on a server with no API key, where the
 console opens at once as the single user (a session is still made, for its CSRF token).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import APIError, AuthenticationError
 from ..services.accounts import keys as accounts
 from . import pages
+from .access import require_scopes
 from .sessions import COOKIE, Session
 from .state import ConsoleState, set_session_cookie
 
@@ -122,7 +123,8 @@ def create_console(parent: FastAPI) -> FastAPI:
     console.state.console = cs
     static = resources.files("miserver.console") / "static"
     console.mount("/static", StaticFiles(directory=str(static)), name="static")
-    console.include_router(pages.router)
+    # every page needs the scopes of its API twin (access.py), checked before it reads its form
+    console.include_router(pages.router, dependencies=[Depends(require_scopes)])
 
     @console.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

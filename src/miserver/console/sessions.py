@@ -2,8 +2,8 @@
 CSRF token per session, and a limit on wrong keys per client address.
 
 Sessions live in this process's memory (a restart signs everyone out; each ``miserver serve`` process has its own).
-A session keeps the key's id, never the key itself; every request re-reads the key, so a revoked key ends its
-sessions at once.
+A session keeps the key's id, never the key itself nor its scopes; every request re-reads the key, so a revoked key
+ends its sessions at once and the session always acts with the key's scopes as they are.
 """
 
 from __future__ import annotations

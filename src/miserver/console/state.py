@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from fastapi.templating import Jinja2Templates
 
 from ..api.common import AppState
-from ..errors import AuthenticationError, NotFoundError
+from ..errors import AuthenticationError
 from ..services.accounts import keys as accounts
 from .sessions import COOKIE, FailureLimit, Session, Sessions
 
@@ -35,21 +35,16 @@ class ConsoleState:
         return st
 
     async def principal(self, session: Session) -> accounts.Principal | None:
-        """Who the session acts as now: its key (re-read: None once revoked or deleted), or the single user while
-        the server has no key (None once a key exists)."""
+        """Who the session acts as now: its key re-read at every request, with the key's scopes as the API's
+        authentication reads them (:func:`~miserver.services.accounts.keys.principal_by_id`; None once revoked or
+        deleted), or the single user while the server has no key (every scope; None once a key exists)."""
         store = self.app_state.store
         if session.key_id is None:
             try:
                 return await accounts.principal_for(store, None)
             except AuthenticationError:
                 return None
-        try:
-            record = await accounts.get_key(store, session.key_id)
-        except NotFoundError:
-            return None
-        if not record.active:
-            return None
-        return accounts.Principal(key_id=record.id, name=record.name, admin=record.admin, balance=record.balance)
+        return await accounts.principal_by_id(store, session.key_id)
 
     async def from_cookie_header(self, header: str) -> accounts.Principal | None:
         """The principal of the session named in a ``Cookie`` header (Socket.IO connections); None without one."""

@@ -10,9 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
 from ...errors import APIError
+from ...services.accounts.scopes import needed_scopes
 from ...services.batch_api import files, job_search, operations
 from ..state import console_state
-from .render import render, whole_number
+from .render import principal_of, render, whole_number
 
 router = APIRouter()
 
@@ -20,6 +21,8 @@ router = APIRouter()
 RESULTS_PAGE = 50
 #: Validation errors shown on the detail page.
 MAX_SHOWN_ERRORS = 1000
+#: The API route whose scopes a key needs to see the input file's name and size (else its id alone is shown).
+FILE_LOOKUP = ("GET", "/v1/files/{file_id}")
 
 
 @router.get("/batches/{batch_id}", response_class=HTMLResponse)
@@ -31,20 +34,24 @@ async def detail(
     offset: str | None = None,
 ) -> HTMLResponse:
     """A job's detail: counts, timestamps, status history, validation errors, usage and cost, lease holder and
-    waiting reason, metadata, files; ``tab=results`` pages through the recorded result lines (``custom_id`` search)."""
+    waiting reason, metadata, files (the input file by its id alone for a key without ``files``); ``tab=results``
+    pages through the recorded result lines (``custom_id`` search). 404 for a job the caller may not see."""
     store = console_state(request).app_state.store
     job = await job_search.get_job(store, batch_id)
     b = job.batch
     input_file = None
-    try:
-        input_file = await files.retrieve_file(store, b["input_file_id"])
-    except APIError:
-        input_file = None
+    files_shown = set(needed_scopes(*FILE_LOOKUP, {})) <= principal_of(request).scopes
+    if files_shown:
+        try:
+            input_file = await files.retrieve_file(store, b["input_file_id"])
+        except APIError:
+            input_file = None
     context: dict[str, Any] = {
         "job": job,
         "b": b,
         "tab": "results" if tab == "results" else "overview",
         "input_file": input_file,
+        "files_shown": files_shown,
         "history": sorted(
             ((k.removesuffix("_at"), b[k]) for k in b if k.endswith("_at") and k != "expires_at" and b[k]),
             key=lambda item: item[1],

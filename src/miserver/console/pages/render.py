@@ -1,5 +1,6 @@
 """What every console page uses: the session and principal of the request, the CSRF check, the template renderer
-(with the formatting helpers the templates call), and the parsing of a whole-number query value."""
+(with the formatting helpers the templates call, and ``may``, whether the caller's scopes allow a console route),
+and the parsing of a whole-number query value."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ...protocol.batches import TERMINAL
 from ...services.accounts import keys as accounts
 from ...services.accounts.keys import Principal
 from ...services.accounts.prices import PriceTable
+from ..access import may
 from ..sessions import Session
 from ..state import console_state
 
@@ -40,8 +42,10 @@ async def check_csrf(request: Request, form_token: str | None = None) -> None:
 def render(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> HTMLResponse:
     cs = console_state(request)
     prices = cs.app_state.ctx.prices or PriceTable()
+    principal = getattr(request.state, "principal", None)
     base = {
-        "principal": getattr(request.state, "principal", None),
+        "principal": principal,
+        "may": lambda method, path: may(principal, method, path),
         "csrf": session_of(request).csrf if getattr(request.state, "session", None) else None,
         "currency": prices.currency,
         "priced": prices.enabled,

@@ -10,6 +10,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from ...errors import AuthenticationError
 from ...services.accounts import keys as accounts
+from ..access import may
 from ..sessions import COOKIE, SIGNIN_COOKIE
 from ..state import console_state, safe_next, set_session_cookie
 from .render import check_csrf, render
@@ -34,8 +35,9 @@ def _signin(request: Request, next_url: str | None, message: str | None, status:
 
 @router.post("/signin", response_model=None)
 async def signin(request: Request) -> Response:
-    """Exchange a key for a session: a right key sets the session cookie and goes on to ``next``; a wrong one is
-    refused (401) with a message, and after 5 wrong keys in a minute from one address the form answers 429."""
+    """Exchange a key for a session: a right key sets the session cookie and goes on to ``next`` (the Usage page
+    instead of the job list for a key whose scopes do not allow the job list); a wrong one is refused (401) with a
+    message, and after 5 wrong keys in a minute from one address the form answers 429."""
     cs = console_state(request)
     form = await request.form()
     next_url = safe_next(str(form.get("next") or ""))
@@ -55,6 +57,8 @@ async def signin(request: Request) -> Response:
         return _signin(request, next_url, exc.message, 401)
     cs.failures.succeeded(address)
     session = cs.sessions.create(principal.key_id)
+    if next_url == "/console/" and not may(principal, "GET", "/"):  # a key without batches lands on its usage
+        next_url = "/console/usage"
     redirect = RedirectResponse(next_url, status_code=303)
     set_session_cookie(redirect, session, request.url.scheme == "https")
     redirect.delete_cookie(SIGNIN_COOKIE, path="/console")

@@ -42,7 +42,7 @@ from ...protocol.parsing import parse_request
 from ...store import Store
 from ...store import keys as store_keys
 from ...store.keys import KeyRecord
-from .scopes import INFERENCE_ROUTES, needed_scopes
+from .scopes import INFERENCE_ROUTES, check_scopes, needed_scopes
 
 #: Characters of a key shown in lists (``sk-`` and the first 8 of the random part).
 PREFIX_CHARS = 11
@@ -344,9 +344,27 @@ async def principal_for(store: Store, key: str | None) -> Principal:
         shown = key[:PREFIX_CHARS] + "..." if len(key) > PREFIX_CHARS else "***"
         state = "revoked" if record is not None else "incorrect"
         raise AuthenticationError(f"The API key provided ({shown}) is {state}.")
+    return principal_of(record)
+
+
+def principal_of(record: KeyRecord) -> Principal:
+    """The caller using the stored key ``record``: its id, name, admin flag, balance and effective scopes
+    (:func:`scopes_of`). The API's authentication, the console's sessions and the Socket.IO events all build their
+    caller here."""
     return Principal(
         key_id=record.id, name=record.name, admin=record.admin, balance=record.balance, scopes=scopes_of(record)
     )
+
+
+async def principal_by_id(store: Store, key_id: str) -> Principal | None:
+    """The caller of the key ``key_id`` as the key is now (re-read from the store): None once it is revoked or
+    deleted. For callers that keep a key's id rather than the key (console sessions, Socket.IO connections), so
+    that a revoked key ends them at once."""
+    async with store.read() as conn:
+        record = await store_keys.get_key(conn, key_id)
+    if record is None or not record.active:
+        return None
+    return principal_of(record)
 
 
 def _store(request: Request) -> Store:
@@ -373,13 +391,9 @@ async def authenticate(request: Request) -> Principal:
     _current.set(principal)
     request.state.principal = principal
     route = request.scope.get("route")
-    for needed in needed_scopes(request.method, getattr(route, "path", request.url.path), request.headers):
-        if needed not in principal.scopes:
-            raise PermissionDeniedError(
-                f"This API key lacks the '{needed}' scope that this request needs; an admin can make a key with it "
-                f'(POST /api/keys with "scopes", or miserver keys create --scope {needed}).',
-                code="insufficient_scope",
-            )
+    check_scopes(
+        principal.scopes, needed_scopes(request.method, getattr(route, "path", request.url.path), request.headers)
+    )
     if (
         request.method == "POST"
         and request.url.path in BILLED_ROUTES

@@ -1,16 +1,19 @@
 """Which scopes a request needs (:func:`needed_scopes`), read from its method and route, in one table.
 
-A key may use only its scopes (:data:`~miserver.protocol.accounts.SCOPES`); authentication refuses a request that
-needs another with 403 ``insufficient_scope``. What changes the model for every tenant needs ``models:write``:
-loading and unloading, weight writes, checkpoints, catalogue entries, the model lease, and a batch created
-or handed with a lease (``X-miLLM-Lease``). Admin-only routes (keys) are refused to other keys by their own
-dependency; a route this table does not name (health, usage, webhooks, the model list's reads) needs no scope.
+A key may use only its scopes (:data:`~miserver.protocol.accounts.SCOPES`); authentication refuses a request that needs
+another with 403 ``insufficient_scope`` (:func:`check_scopes`), and so do the web console, whose pages need the scopes
+of their API twins (``miserver.console.access``), and the Socket.IO ``subscribe``. What changes the model for every
+tenant needs ``models:write``: loading and unloading, weight writes, checkpoints, catalogue entries, the model lease,
+and a batch created or handed with a lease (``X-miLLM-Lease``). Admin-only routes (keys) are refused to other keys by
+their own dependency; a route this table does not name (health, usage, webhooks, the model list's reads) needs no scope.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+
+from ...errors import PermissionDeniedError
 
 _CONVERTER = re.compile(r"\{(\w+):\w+\}")
 
@@ -103,3 +106,22 @@ def needed_scopes(method: str, route_path: str, headers: Mapping[str, str]) -> t
     if key in LEASED_CREATES and headers.get("x-millm-lease"):
         needed += ("models:write",)
     return needed
+
+
+def insufficient_scope(scope: str) -> PermissionDeniedError:
+    """The refusal of a request that needs ``scope``: 403 ``insufficient_scope`` whose message names it (the API,
+    the console and the Socket.IO ``subscribe`` answer with this one message)."""
+    return PermissionDeniedError(
+        f"This API key lacks the '{scope}' scope that this request needs; an admin can make a key with it "
+        f'(POST /api/keys with "scopes", or miserver keys create --scope {scope}).',
+        code="insufficient_scope",
+    )
+
+
+def check_scopes(held: Iterable[str], needed: Iterable[str]) -> None:
+    """Refuse (:func:`insufficient_scope`, 403) the first of ``needed`` that ``held`` (a caller's scopes, such as
+    :attr:`~miserver.services.accounts.keys.Principal.scopes`) lacks; nothing when it holds them all."""
+    have = frozenset(held)
+    for scope in needed:
+        if scope not in have:
+            raise insufficient_scope(scope)
