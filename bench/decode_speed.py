@@ -14,9 +14,11 @@ block beside it (the machine may be shared: trust ratios and CPU time, not absol
   detokenising included; end of sequence ignored), tokens/s from submission to result, ``--engine-rounds`` times.
 
 Variants: ``transformers`` (HFSlots), ``slots`` (SlotModel, float32), ``slots-t`` (SlotModel with contiguous
-``[in, out]`` copies of the projections), ``slots-bf16`` (SlotModel over a bfloat16 copy of the model: measured,
-not served), ``slots-compiled`` (SlotModel with ``torch.compile``: minutes of compiling on a first run, not in the
-default list). The greedy tokens of each variant are compared with the first variant's.
+``[in, out]`` copies of the projections), ``slots-p`` (SlotModel with copies prepacked for oneDNN), ``slots-b``
+(SlotModel with bfloat16 copies prepacked for oneDNN, the products in bfloat16 and the rest in float32: the served
+default where the CPU multiplies bfloat16 natively), ``slots-bf16`` (SlotModel over a bfloat16 copy of the whole
+model: measured, not served), ``slots-compiled`` (SlotModel with ``torch.compile``: minutes of compiling on a first
+run, not in the default list). The greedy tokens of each variant are compared with the first variant's.
 
     python bench/decode_speed.py
     python bench/decode_speed.py --variants transformers,slots,slots-compiled --engine-rounds 0
@@ -137,6 +139,7 @@ async def main() -> None:
         "slots": lambda: SlotModel(model, max_positions=context),
         "slots-t": lambda: SlotModel(model, max_positions=context, weights="transposed"),
         "slots-p": lambda: SlotModel(model, max_positions=context, weights="packed"),
+        "slots-b": lambda: SlotModel(model, max_positions=context, weights="bfloat16"),
         "slots-compiled": lambda: SlotModel(model, max_positions=context, compile=True),
     }
     if bf16 is not None:

@@ -77,12 +77,14 @@ class Settings(BaseSettings):
         description="prefill of a prompt under the slots decode step: slots (its own forward over the prompt, with "
         "the decode step's weights) or transformers (transformers' own forward, bit for bit)",
     )
-    decode_weights: Literal["packed", "transposed", "view"] = Field(
-        "packed",
+    decode_weights: Literal["bfloat16", "packed", "transposed", "view"] = Field(
+        "bfloat16",
         validation_alias=_env("MISERVER_DECODE_WEIGHTS"),
-        description="how the slots decode step holds the projection weights and output head: packed (a copy "
-        "prepacked for oneDNN, CPU only; several rows a step cost about what one costs), transposed (a contiguous "
-        "[in, out] copy for MKL) or view (the model's own weights, no copy)",
+        description="how the slots forward holds the projection weights and output head: bfloat16 (a bfloat16 copy "
+        "prepacked for oneDNN, the products in bfloat16 and everything else in the model's dtype; where the CPU "
+        "has native bfloat16 products, else packed), packed (a copy prepacked for oneDNN in the model's dtype, CPU "
+        "only; several rows a step cost about what one costs), transposed (a contiguous [in, out] copy for MKL) or "
+        "view (the model's own weights, no copy)",
     )
     compile: Literal["off", "on"] = Field(
         "off",

@@ -19,7 +19,7 @@ from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.hf_cache import HFSlots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slots import WEIGHT_LAYOUTS, SlotModel, WeightLayout, supported
+from miserver.engines.local.slots import WEIGHT_LAYOUTS, SlotModel, WeightLayout, bfloat16_available, supported
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why", "a b c d e f g"]
 
@@ -45,10 +45,15 @@ def greedy(cache: SlotModel | HFSlots, slot: int, ids: torch.Tensor, steps: int)
     return tokens, torch.stack(seen)
 
 
+#: The layouts that multiply in the model's own dtype (float32 here).
+FULL_PRECISION = [w for w in WEIGHT_LAYOUTS if w != "bfloat16"]
+
+
 def test_the_tiny_model_is_covered(loaded: LoadedModel) -> None:
     assert supported(loaded.model)
     default = make_slots(loaded.model, 512)
-    assert isinstance(default, SlotModel) and default.weights == "packed"  # the CPU default (torch with oneDNN)
+    # the CPU default: bfloat16 products where the CPU has them natively, else float32 (torch with oneDNN)
+    assert isinstance(default, SlotModel) and default.weights == ("bfloat16" if bfloat16_available() else "packed")
     assert isinstance(make_slots(loaded.model, 512, DecodeOptions("transformers")), HFSlots)
     assert isinstance(make_slots(loaded.model, None), HFSlots)
     views = make_slots(loaded.model, 512, DecodeOptions(weights="view"))
@@ -56,7 +61,7 @@ def test_the_tiny_model_is_covered(loaded: LoadedModel) -> None:
 
 
 @pytest.mark.parametrize("own_prefill", [False, True])
-@pytest.mark.parametrize("weights", WEIGHT_LAYOUTS)
+@pytest.mark.parametrize("weights", FULL_PRECISION)
 def test_greedy_equals_transformers_generate(loaded: LoadedModel, weights: WeightLayout, own_prefill: bool) -> None:
     model = loaded.model
     with torch.inference_mode():
@@ -71,6 +76,34 @@ def test_greedy_equals_transformers_generate(loaded: LoadedModel, weights: Weigh
             if not own_prefill:
                 assert torch.equal(logits[0], hf_logits[0])  # the prefill is transformers' own
             assert torch.allclose(logits, hf_logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not bfloat16_available(), reason="this CPU has no native bfloat16 products (layout falls back)")
+@pytest.mark.parametrize("own_prefill", [False, True])
+def test_bfloat16_products_stay_near_float32(loaded: LoadedModel, own_prefill: bool) -> None:
+    """The prefill stays float32 (the first token's logits are float32's, bit for bit, with the own prefill);
+    rounding each decode product's input and weights to bfloat16 moves the later logits by a little."""
+    with torch.inference_mode():
+        for text in PROMPTS:
+            ids = ids_of(loaded, text)
+            full = SlotModel(loaded.model, max_positions=512, weights="packed", own_prefill=own_prefill)
+            want, ref = greedy(full, 0, ids, 24)
+            cache = SlotModel(loaded.model, max_positions=512, weights="bfloat16", own_prefill=own_prefill)
+            assert cache.weights == "bfloat16"
+            logits = [cache.prefill(0, ids)] + [cache.decode([0], [t])[0] for t in want[:-1]]
+            got = torch.stack(logits)
+            assert got.dtype == torch.float32
+            assert torch.equal(got[0], ref[0]), "the prefill multiplies in float32"
+            assert not torch.equal(got[1:], ref[1:]), "the decode products ran in bfloat16"
+            scale = ref.abs().max()
+            assert (got - ref).abs().max() < 0.05 * scale, text
+
+
+def test_bfloat16_falls_back_to_float32_without_native_products(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slots_module, "bfloat16_available", lambda: False)
+    assert SlotModel(loaded.model, max_positions=512, weights="bfloat16").weights == "packed"
 
 
 def test_the_own_prefill_fills_the_cache_as_transformers_does(loaded: LoadedModel) -> None:
@@ -177,7 +210,7 @@ def test_models_the_forward_does_not_cover_fall_back() -> None:
         SlotModel(scaled, max_positions=64)
 
 
-@pytest.mark.parametrize("weights", ["packed", "transposed"])
+@pytest.mark.parametrize("weights", ["bfloat16", "packed", "transposed"])
 def test_weight_copies_follow_weight_writes(loaded: LoadedModel, weights: WeightLayout) -> None:
     weight = loaded.model.model.layers[0].mlp.down_proj.weight
     kept = weight.detach().clone()

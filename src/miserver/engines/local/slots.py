@@ -7,13 +7,14 @@ column per slot in place (no concatenation, no merging, no padding): each slot a
 columns, whatever the lengths of the others. The cache grows (doubling, copied once) when a slot number or a position
 goes past what it holds, up to ``max_positions`` columns.
 
-A prompt is prefilled by transformers itself (``generate.prefill``: exactly the one-request prefill) and its keys and
-values are copied into the slot; only the decode step is this module's own forward: embedding, RMSNorm, rotary
-embedding, grouped-query attention over the static cache, SwiGLU MLP, final norm and output head, each read from the
-transformers model at every step (weight edits on the resident model are seen at once; nothing is copied). Its
-logits differ from transformers' in the last bits (another attention kernel), so greedy tokens agree with
-transformers for typical prompts but not bit for bit; within this forward, a slot decoded alone always computes the
-same bits.
+A prompt is prefilled either by this module's own forward over all its positions (causal attention, the decode
+step's weights) or by transformers itself (``generate.prefill``: exactly the one-request prefill), its keys and
+values then copied into the slot. The forward is embedding, RMSNorm, rotary embedding, grouped-query attention over
+the static cache, SwiGLU MLP, final norm and output head, each read from the transformers model at every step
+(weight edits on the resident model are seen at the next step). Its logits differ from transformers' in the last
+bits (another attention kernel; with bfloat16 weights, in the products' rounding too), so greedy tokens agree with
+transformers for typical prompts but not bit for bit; within one weight layout, a slot computes the same bits alone
+or beside others.
 
 Everything here is synchronous and runs under ``torch.inference_mode`` on the engine's thread.
 """
@@ -59,7 +60,7 @@ def supported(model: PreTrainedModel) -> bool:
 
 
 #: How the slot forward holds the projection weights and the output head (see :class:`SlotModel`).
-WeightLayout = Literal["packed", "transposed", "view"]
+WeightLayout = Literal["bfloat16", "packed", "transposed", "view"]
 WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = get_args(WeightLayout)
 
 
@@ -68,6 +69,11 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     (mkldnn), float32 or bfloat16."""
     onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]  # unannotated in torch
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn
+
+
+def bfloat16_available() -> bool:
+    """Whether this CPU runs oneDNN's bfloat16 products natively (AVX512-BF16 or AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,13 @@ class SlotModel:
     a contiguous ``[in, out]`` copy (faster one-row products with MKL on the CPU); ``"packed"`` through a copy
     prepacked for oneDNN (see :func:`packing_available`; else ``"transposed"`` on the CPU, ``"view"`` elsewhere): on the
     development machine's CPU a step of 2 to 17 rows costs about what one row costs with it, where MKL's small
-    matrix products cost three to ten times as much. A copy costs one more copy of those weights in memory and is
-    remade at the next step when its parameter changed (a weight write). ``compile``
+    matrix products cost three to ten times as much; ``"bfloat16"`` through a bfloat16 copy prepacked for oneDNN
+    (where :func:`bfloat16_available`, else ``"packed"``): each product's input is rounded to bfloat16 and its
+    output is returned in the model's dtype, while norms, rotary embedding, attention, the residual stream and the
+    cache stay in the model's dtype (half the bytes read per token, and the CPU's native bfloat16 dot products).
+    bfloat16 is the decode step's only: the own prefill multiplies by the ``"packed"`` copy in the model's dtype, so
+    a prompt's first token and its logprobs are those of the model's dtype, as in scoring. A copy costs one more copy
+    of those weights in memory and is remade at the next step when its parameter changed (a weight write). ``compile``
     runs the decode forward through ``torch.compile`` (dynamic shapes; compiled at the first steps of each new shape,
     minutes on a small CPU, from inductor's cache at later starts); any failure of it is logged and the step runs
     eager from then on.
@@ -137,12 +148,17 @@ class SlotModel:
         self._compiled: Callable[..., torch.Tensor] | None = None
         if compile:
             self._compiled = _compile(self._forward)
-        self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(param) -> (data_ptr, version, copy)
+        # (id(param), layout) -> (data_ptr, version, copy)
+        self._copies: dict[tuple[int, WeightLayout], tuple[int, int, torch.Tensor]] = {}
         device, dtype = model.device, model.dtype
         self.device, self.dtype = device, dtype
+        if weights == "bfloat16" and not (packing_available(device, dtype) and bfloat16_available()):
+            weights = "packed"
         if weights == "packed" and not packing_available(device, dtype):
             weights = "transposed" if device.type == "cpu" else "view"
         self.weights: WeightLayout = weights
+        #: the own prefill's layout: the decode step's, in the model's dtype (bfloat16 decodes only)
+        self.prefill_weights: WeightLayout = "packed" if weights == "bfloat16" else weights
         rotary = model.model.rotary_emb
         # the rotary table of every position, computed as transformers computes one position (same float ops)
         positions = torch.arange(max_positions, device=device).float()
@@ -232,7 +248,8 @@ class SlotModel:
         seen = torch.ones(rows, dtype=torch.long, device=device)
         seen[slot_t - lo] = pos_t + 1
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        args = (tokens_t, slot_t, pos_t, seen, lo, max(lengths) + 1, self._weights(), self._matrix(head.weight))
+        layers, matrix = self._weights(self.weights), self._matrix(head.weight, self.weights)
+        args = (tokens_t, slot_t, pos_t, seen, lo, max(lengths) + 1, layers, matrix)
         if self._compiled is not None:
             try:
                 return self._compiled(*args, head.bias)
@@ -284,7 +301,7 @@ class SlotModel:
         n = ids.shape[0]
         hidden = self._embed(ids)  # [n, hidden]
         cos, sin = self._cos[:n], self._sin[:n]
-        for i, layer in enumerate(self._weights()):
+        for i, layer in enumerate(self._weights(self.prefill_weights)):
             x = _rms_norm(hidden, layer.norm_in, self.eps)
             q = _project(x, layer.q, layer.q_bias).view(n, self.heads, self.head_dim)
             k = _project(x, layer.k, layer.k_bias).view(n, self.kv_heads, self.head_dim)
@@ -302,7 +319,7 @@ class SlotModel:
             hidden = hidden + _project(gated, layer.down, None)
         last = _rms_norm(hidden[-1:], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        return _project(last, self._matrix(head.weight), head.bias).float()[0]
+        return _project(last, self._matrix(head.weight, self.prefill_weights), head.bias).float()[0]
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
@@ -315,20 +332,22 @@ class SlotModel:
         values = self._values[i][lo : lo + rows, :, :width]
         full = q.new_zeros((rows, self.kv_heads, group, self.head_dim))
         full[row_t] = q.view(-1, self.kv_heads, group, self.head_dim)
-        scores = torch.matmul(full, keys.transpose(-1, -2)) * self.scale  # [rows, kv_heads, group, width]
-        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values)  # [rows, kv_heads, group, head_dim]
-        return out[row_t].reshape(len(row_t), self.heads * self.head_dim)
+        # each kv head's query group as the query rows of one attention (one fused kernel; True attends)
+        out = F.scaled_dot_product_attention(full, keys, values, attn_mask=~mask[:, None, None, :], scale=self.scale)
+        return out[row_t].reshape(len(row_t), self.heads * self.head_dim)  # out: [rows, kv_heads, group, head_dim]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.model.get_input_embeddings().weight
         assert isinstance(table, torch.Tensor)
         return F.embedding(tokens, table)
 
-    def _weights(self) -> list[_Layer]:
-        """Each layer's tensors, read from the model now (weight edits replace or change them in place)."""
-        m = self._matrix
+    def _weights(self, layout: WeightLayout) -> list[_Layer]:
+        """Each layer's tensors in ``layout``, read from the model now (weight edits replace or change them in
+        place)."""
+
+        def m(weight: torch.Tensor) -> torch.Tensor:
+            return self._matrix(weight, layout)
+
         out = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -351,17 +370,19 @@ class SlotModel:
             )
         return out
 
-    def _matrix(self, weight: torch.Tensor) -> torch.Tensor:
+    def _matrix(self, weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
         """What :func:`_project` multiplies by for the ``[out, in]`` ``weight`` (see ``weights``): its transposed
         view, or a copy (contiguous ``[in, out]``, or prepacked for oneDNN) remade when the parameter's storage or
         version changed since it was made."""
-        if self.weights == "view" or weight.is_inference():  # an inference tensor keeps no version to watch
+        if layout == "view" or weight.is_inference():  # an inference tensor keeps no version to watch
             return weight.t()
-        key = id(weight)
+        key = (id(weight), layout)
         seen = self._copies.get(key)
         if seen is None or seen[0] != weight.data_ptr() or seen[1] != weight._version:
-            if self.weights == "packed":
+            if layout == "packed":
                 copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            elif layout == "bfloat16":
+                copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16))
             else:
                 copy = weight.detach().t().contiguous()
             seen = (weight.data_ptr(), weight._version, copy)
@@ -404,8 +425,13 @@ def _project(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -
     """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one; a oneDNN
     ``matrix`` is the ``[out, in]`` weight prepacked (:meth:`SlotModel._matrix`), multiplied by oneDNN's linear."""
     if matrix.is_mkldnn:
-        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, bias, "none", [], "")
-        return y
+        if matrix.dtype == x.dtype:
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, bias, "none", [], "")
+            return y
+        # bfloat16 weights: the product in bfloat16, its result back in x's dtype
+        low: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.to(matrix.dtype), matrix, None, "none", [], "")
+        y = low.to(x.dtype)
+        return y if bias is None else y + bias
     y = torch.matmul(x, matrix)
     return y if bias is None else y + bias
 
