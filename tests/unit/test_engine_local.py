@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from miserver.engines.base import (
     Engine,
@@ -306,6 +308,27 @@ def test_resolve_model_source(tiny_model_dir: Path, tmp_path: Path) -> None:
         resolve_model_source(str(tmp_path / "nope"), None)
     with pytest.raises(ValueError, match="config.json"):
         resolve_model_source(str(tmp_path), None)
+
+
+async def test_only_the_engine_thread_runs_torch_on_several_threads(tiny_model_dir: Path) -> None:
+    """One OpenMP team in the process: the engine thread keeps the thread count torch had at the start, the event
+    loop's thread and threads started later get one (a second team made libgomp stop spinning between parallel
+    regions: a decode step cost twice as much)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = await LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu")
+        try:
+            on_engine = await asyncio.get_running_loop().run_in_executor(engine._executor, torch.get_num_threads)
+            later: list[int] = []
+            thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            assert (on_engine, torch.get_num_threads(), later) == (2, 1, [1])
+        finally:
+            await engine.close()
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.slow

@@ -49,8 +49,24 @@ DEFAULT_BATCH_SLOTS = 16
 DEFAULT_PREFILL_TOKENS = 256
 
 
-def _new_executor() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="miserver-engine")
+def _new_executor(threads: int | None = None) -> ThreadPoolExecutor:
+    """The engine's one thread; with ``threads``, its forward passes run on that many OpenMP threads."""
+    if threads is None:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="miserver-engine")
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="miserver-engine", initializer=torch.set_num_threads, initargs=(threads,)
+    )
+
+
+def _one_openmp_team(executor: ThreadPoolExecutor) -> None:
+    """Leave the engine thread the only one whose torch work runs on several OpenMP threads: every other thread (the
+    event loop's, those started later) gets one from now on. GNU libgomp spins between parallel regions only while
+    the threads of all its teams fit the cores; a second team of two threads on two cores (one torch operation on
+    the event loop was enough) made it sleep at once, and a decode step cost twice as much (30 against 57 ms here,
+    about 600 regions a step), for the rest of the process. Waits for ``executor``'s thread to have started."""
+    executor.submit(torch.get_num_threads).result()
+    torch.get_num_threads()  # this thread's torch threads are set up now, then set to one
+    torch.set_num_threads(1)
 
 
 class LocalEngine:
@@ -130,18 +146,21 @@ class LocalEngine:
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         decode: DecodeOptions = DEFAULT_DECODE,
     ) -> LocalEngine:
-        """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine.
+        """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine. The
+        engine thread's forward passes run on as many threads as torch uses now; torch work on any other thread runs
+        on one from then on (see :func:`_one_openmp_team`).
 
         Raises ``ValueError`` for an unknown model id or path (see ``resolve_model_source``).
         """
         source = resolve_model_source(model, served_model_name)
-        executor = _new_executor()
+        executor = _new_executor(torch.get_num_threads())
         cache = Path(cache_dir).expanduser()
         try:
             loaded = await asyncio.get_running_loop().run_in_executor(executor, load_model, source, cache, device)
         except BaseException:
             executor.shutdown(wait=False, cancel_futures=True)
             raise
+        _one_openmp_team(executor)
         return cls(
             loaded,
             source.served_id,
