@@ -152,11 +152,15 @@ class SlotModel:
         self._copies: dict[tuple[int, WeightLayout], tuple[int, int, torch.Tensor]] = {}
         device, dtype = model.device, model.dtype
         self.device, self.dtype = device, dtype
+        asked = weights
         if weights == "bfloat16" and not (packing_available(device, dtype) and bfloat16_available()):
             weights = "packed"
         if weights == "packed" and not packing_available(device, dtype):
             weights = "transposed" if device.type == "cpu" else "view"
         self.weights: WeightLayout = weights
+        log.info(
+            "slot forward: decode step weights %s%s", weights, f" ({asked} is not available here)" * (asked != weights)
+        )
         #: the own prefill's layout: the decode step's, in the model's dtype (bfloat16 decodes only)
         self.prefill_weights: WeightLayout = "packed" if weights == "bfloat16" else weights
         rotary = model.model.rotary_emb
