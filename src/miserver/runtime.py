@@ -48,10 +48,6 @@ async def load_engine(settings: Settings) -> Engine:
     from .engines.local.decoding import DecodeOptions
     from .engines.local.engine import LocalEngine
 
-    if settings.torch_threads is not None:
-        import torch
-
-        torch.set_num_threads(settings.torch_threads)
     return await LocalEngine.start(
         model=settings.model,
         served_model_name=settings.served_model_name,
@@ -60,6 +56,7 @@ async def load_engine(settings: Settings) -> Engine:
         max_sequences=settings.max_sequences,
         batch_slots=settings.batch_generate_slots,
         prefill_tokens=settings.batch_prefill_tokens,
+        threads=settings.torch_threads,
         decode=DecodeOptions(
             settings.decode,
             weights=settings.decode_weights,

@@ -20,6 +20,7 @@ from miserver.engines.base import (
     SamplingParams,
     StreamDelta,
 )
+from miserver.engines.local import engine as engine_module
 from miserver.engines.local import loader
 from miserver.engines.local.detokenize import _Output
 from miserver.engines.local.engine import LocalEngine
@@ -310,16 +311,20 @@ def test_resolve_model_source(tiny_model_dir: Path, tmp_path: Path) -> None:
         resolve_model_source(str(tmp_path), None)
 
 
-async def test_only_the_engine_thread_runs_torch_on_several_threads(tiny_model_dir: Path) -> None:
-    """One OpenMP team in the process: the engine thread keeps the thread count torch had at the start, the event
-    loop's thread and threads started later get one (a second team made libgomp stop spinning between parallel
-    regions: a decode step cost twice as much)."""
+async def test_only_the_engine_thread_runs_torch_on_several_threads(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One OpenMP team in the process: the engine thread runs its forward passes on the engine's threads, the event
+    loop's thread and threads started later on one (a second team made libgomp stop spinning between parallel
+    regions: a decode step cost twice as much); a model loaded later gets the count torch had before the first
+    engine started, not the loop thread's one."""
+    monkeypatch.setattr(engine_module, "_threads_at_first_start", 2)
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    loop = asyncio.get_running_loop()
     try:
-        engine = await LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu")
+        engine = await LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu", threads=2)
         try:
-            on_engine = await asyncio.get_running_loop().run_in_executor(engine._executor, torch.get_num_threads)
+            on_engine = await loop.run_in_executor(engine._executor, torch.get_num_threads)
             later: list[int] = []
             thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
             thread.start()
@@ -327,6 +332,11 @@ async def test_only_the_engine_thread_runs_torch_on_several_threads(tiny_model_d
             assert (on_engine, torch.get_num_threads(), later) == (2, 1, [1])
         finally:
             await engine.close()
+        reloaded = await LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu")
+        try:
+            assert await loop.run_in_executor(reloaded._executor, torch.get_num_threads) == 2
+        finally:
+            await reloaded.close()
     finally:
         torch.set_num_threads(before)
 

@@ -58,6 +58,19 @@ def _new_executor(threads: int | None = None) -> ThreadPoolExecutor:
     )
 
 
+#: torch's thread count before the first engine started here left every other thread one (see
+#: :func:`_one_openmp_team`): the default of every engine of the process, a model loaded later included.
+_threads_at_first_start: int | None = None
+
+
+def _engine_threads(threads: int | None) -> int:
+    """The OpenMP threads of an engine's forward passes: ``threads``, else torch's count before any engine started."""
+    global _threads_at_first_start
+    if _threads_at_first_start is None:
+        _threads_at_first_start = torch.get_num_threads()
+    return threads if threads is not None else _threads_at_first_start
+
+
 def _one_openmp_team(executor: ThreadPoolExecutor) -> None:
     """Leave the engine thread the only one whose torch work runs on several OpenMP threads: every other thread (the
     event loop's, those started later) gets one from now on. GNU libgomp spins between parallel regions only while
@@ -145,15 +158,17 @@ class LocalEngine:
         batch_slots: int = DEFAULT_BATCH_SLOTS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         decode: DecodeOptions = DEFAULT_DECODE,
+        threads: int | None = None,
     ) -> LocalEngine:
         """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine. The
-        engine thread's forward passes run on as many threads as torch uses now; torch work on any other thread runs
-        on one from then on (see :func:`_one_openmp_team`).
+        engine thread's forward passes run on ``threads`` OpenMP threads (None: as many as torch used before the
+        first engine of the process started); torch work on any other thread runs on one from then on (see
+        :func:`_one_openmp_team`).
 
         Raises ``ValueError`` for an unknown model id or path (see ``resolve_model_source``).
         """
         source = resolve_model_source(model, served_model_name)
-        executor = _new_executor(torch.get_num_threads())
+        executor = _new_executor(_engine_threads(threads))
         cache = Path(cache_dir).expanduser()
         try:
             loaded = await asyncio.get_running_loop().run_in_executor(executor, load_model, source, cache, device)
