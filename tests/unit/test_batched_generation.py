@@ -9,16 +9,20 @@ request that never shared a forward pass is the synchronous result bit for bit; 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from miserver.engines.base import Generated, GeneratesMany, GenerationRequest, GenerationResult, SamplingParams
-from miserver.engines.local.decoding import DecodeOptions
+from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import load_model, resolve_model_source
-from miserver.engines.local.steps import Start, Update
+from miserver.engines.local.slots import SlotModel
+from miserver.engines.local.steps import Start, StepBatch, Update
 
 PROMPTS = [
     "hello there",
@@ -170,6 +174,49 @@ async def test_refusals_and_empty_requests_fail_alone(engine: LocalEngine) -> No
     assert isinstance(done[1], GenerationResult) and done[1].completion_tokens == 0
     assert done[1].sequences[0].finish_reason == "length"
     assert done[2] == await engine.generate(requests[2])
+
+
+async def test_prompts_starting_in_one_step_share_one_prefill(engine: LocalEngine) -> None:
+    """The prompts of requests that may share, admitted at one step, go through one ``prefill_many`` of the cache,
+    a batch-invariant request's prompt alone; a prompt the context cannot hold is refused alone; every first token
+    is the one the request gets alone."""
+    steps = StepBatch(
+        make_slots(
+            engine.loaded.model,
+            12,
+            DecodeOptions("slots" if isinstance(engine._steps.cache, SlotModel) else "transformers"),
+        ),
+        engine.loaded.tokenizer,
+        engine.loaded.model.device,
+        max_positions=12,
+    )
+    calls: list[tuple[str, int]] = []
+    for name in ("prefill", "prefill_many"):
+        real = getattr(steps.cache, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append((_name, len(args[1]) if _name == "prefill_many" else 1))
+            return _real(*args)
+
+        setattr(steps.cache, name, counted)
+    greedy = {"max_tokens": 1, "temperature": 0, "logprobs": 0}
+    shared = [req(engine, PROMPTS[i], **greedy) for i in (0, 2, 4)]
+    too_long = GenerationRequest(tuple(range(20)), SamplingParams(**greedy))  # type: ignore[arg-type]
+    invariant = dataclasses.replace(req(engine, PROMPTS[5], **greedy), invariant=True)
+    with torch.inference_mode():
+        updates = steps.step([Start(i, r, r.invariant) for i, r in enumerate([*shared, invariant])], [])
+        assert calls.count(("prefill_many", 3)) == 1 and ("prefill", 1) in calls
+        if isinstance(steps.cache, SlotModel):  # (transformers' cache runs its prompts one by one inside)
+            assert sorted(calls) == [("prefill", 1), ("prefill_many", 3)]
+        calls.clear()
+        refused = steps.step([Start(10, shared[0]), Start(11, too_long)], [])
+    assert ("prefill", 1) in calls  # the shared prefill refused a prompt: each ran alone
+    results = {u.ticket: u.result for u in updates + refused}
+    assert isinstance(results[11], ValueError)
+    for ticket, r in [*enumerate([*shared, invariant]), (10, shared[0])]:
+        result = results[ticket]
+        assert isinstance(result, GenerationResult)
+        assert result == await engine.generate(r), ticket
 
 
 async def test_a_stop_ends_at_the_next_step_and_drops_the_rows_in_flight(engine: LocalEngine) -> None:

@@ -36,10 +36,11 @@ def forward_passes(engine: LocalEngine) -> Iterator[list[str]]:
     forward the cache runs (its own or transformers')."""
     calls: list[str] = []
     cache = engine._steps.cache
-    for name in ("prefill", "decode"):
+    names = {"prefill": "prefill", "prefill_many": "prefill", "decode": "decode"}  # one pass of many prompts: one
+    for name, counted_as in names.items():
         real = getattr(cache, name)
 
-        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+        def counted(*args: Any, _real: Any = real, _name: str = counted_as) -> Any:
             calls.append(_name)
             return _real(*args)
 
@@ -47,7 +48,7 @@ def forward_passes(engine: LocalEngine) -> Iterator[list[str]]:
     try:
         yield calls
     finally:
-        for name in ("prefill", "decode"):
+        for name in names:
             delattr(cache, name)
 
 

@@ -155,6 +155,39 @@ def test_a_slot_alone_computes_the_same_bits_whatever_else_is_cached(
         assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("weights", WEIGHT_LAYOUTS)
+def test_prompts_prefilled_together_get_the_bits_of_their_prefill_alone(
+    loaded: LoadedModel, weights: WeightLayout
+) -> None:
+    with torch.inference_mode():
+        prompts = [ids_of(loaded, t) for t in PROMPTS]
+        alone = SlotModel(loaded.model, max_positions=512, weights=weights, own_prefill=True)
+        firsts = [alone.prefill(s, p) for s, p in enumerate(prompts)]
+        together = SlotModel(loaded.model, max_positions=512, weights=weights, own_prefill=True)
+        order = [3, 0, 6, 1]  # slots out of order, one past the first capacity of slots
+        logits = together.prefill_many(order, prompts)
+        for s, (slot, p) in enumerate(zip(order, prompts, strict=True)):
+            assert torch.equal(logits[s], firsts[s]), f"prompt {s}"
+            n = len(p)
+            assert together.length(slot) == n
+            for mine, ref in zip(together._keys + together._values, alone._keys + alone._values, strict=True):
+                assert torch.equal(mine[slot, :, :n], ref[s, :, :n]), f"prompt {s}'s cache"
+        # and they decode on as they would alone
+        nexts = [int(torch.argmax(x)) for x in firsts]
+        assert torch.equal(together.decode([order[1]], [nexts[1]])[0], alone.decode([1], [nexts[1]])[0])
+
+
+def test_a_refused_prompt_among_many_changes_no_slot(loaded: LoadedModel) -> None:
+    with torch.inference_mode():
+        cache = SlotModel(loaded.model, max_positions=8, weights="packed", own_prefill=True)
+        cache.prefill(0, torch.arange(3))
+        with pytest.raises(ValueError, match="context holds 8"):
+            cache.prefill_many([0, 1], [torch.arange(5), torch.arange(9)])
+        assert cache.length(0) == 3
+        with pytest.raises(KeyError):
+            cache.length(1)
+
+
 def test_fork_release_and_growth(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(slots_module, "INITIAL_CAPACITY", 8)
     monkeypatch.setattr(slots_module, "INITIAL_SLOTS", 1)

@@ -66,6 +66,10 @@ class HFSlots:
         self._alone[slot] = (cache, int(ids.numel()))
         return logits
 
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`prefill` of ``prompts[i]`` into ``slots[i]``, one after the other (transformers' prefill alone)."""
+        return [self.prefill(slot, ids) for slot, ids in zip(slots, prompts, strict=True)]
+
     def fork(self, src: int, dst: int) -> None:
         """``dst`` gets a copy of ``src``'s cache (the other samples of one prompt)."""
         self.release(dst)

@@ -188,17 +188,10 @@ class SlotModel:
         forward over every position of the prompt (causal attention, the same projections as the decode step);
         else transformers' own prefill, bit for bit. Raises ``ValueError`` for an empty prompt or one longer than
         ``max_positions``."""
-        n = int(ids.numel())
-        if n == 0:
-            raise ValueError("the prompt has no tokens")
-        if n > self.max_positions:
-            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_positions}")
-        self.release(slot)
+        n = self._check_prompt(ids)
         if self.own_prefill:
-            self._reserve(slot, n)
-            logits = self._prefill(ids, slot)
-            self._lengths[slot] = n
-            return logits
+            return self._prefill_into([slot], [ids])[0]
+        self.release(slot)
         logits, cache = prefill(self.model, ids)
         self._reserve(slot, n)
         for i, layer in enumerate(getattr(cache, "layers", [])):
@@ -209,6 +202,30 @@ class SlotModel:
         self._lengths[slot] = n
         return logits
 
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run ``prompts[i]`` into ``slots[i]`` as :meth:`prefill` does, each slot's result the one it gets alone;
+        returns the float32 logits ``[vocab]`` of each prompt's last position. With ``own_prefill`` over prepacked
+        weights the prompts go through one forward pass: their positions are the rows of each matrix product
+        (oneDNN's product of a prepacked weight computes a row's bits whatever the other rows), while attention runs
+        per prompt and rotary embedding and norms per row, so each slot's cache and logits are bit for bit those of
+        its prefill alone, and the weights are read once for all of them; otherwise one prompt after the other.
+        Raises ``ValueError`` as :meth:`prefill` does, before any slot changes."""
+        for ids in prompts:
+            self._check_prompt(ids)
+        if self.own_prefill and (len(prompts) == 1 or self.prefill_weights == "packed"):
+            return self._prefill_into(list(slots), list(prompts))
+        return [self.prefill(slot, ids) for slot, ids in zip(slots, prompts, strict=True)]
+
+    def _prefill_into(self, slots: list[int], prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`_prefill` of checked ``prompts`` into ``slots`` (their old content dropped, room reserved)."""
+        for slot, ids in zip(slots, prompts, strict=True):
+            self.release(slot)
+            self._reserve(slot, int(ids.numel()))
+        logits = self._prefill(prompts, slots)
+        for slot, ids in zip(slots, prompts, strict=True):
+            self._lengths[slot] = int(ids.numel())
+        return logits
+
     def fork(self, src: int, dst: int) -> None:
         """``dst`` gets a copy of ``src``'s cache (the other samples of one prompt)."""
         n = self._lengths[src]
@@ -217,6 +234,15 @@ class SlotModel:
             for layer in cache:
                 layer[dst, :, :n].copy_(layer[src, :, :n])
         self._lengths[dst] = n
+
+    def _check_prompt(self, ids: torch.Tensor) -> int:
+        """The length of the prompt ``ids``; ``ValueError`` when it is empty or longer than the context."""
+        n = int(ids.numel())
+        if n == 0:
+            raise ValueError("the prompt has no tokens")
+        if n > self.max_positions:
+            raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_positions}")
+        return n
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s cache (nothing happens for an empty slot)."""
@@ -298,32 +324,41 @@ class SlotModel:
         hidden = _rms_norm(hidden, self._norm.weight, self._norm_eps)
         return _project(hidden, head, head_bias).float()
 
-    def _prefill(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
-        """The forward of the prompt ``ids`` (``[n]``) at positions ``0 .. n - 1`` with causal attention, writing
-        each layer's keys and values into ``slot``'s first ``n`` columns; float32 logits ``[vocab]`` of the last
-        position (the output head runs on that position only)."""
-        n = ids.shape[0]
-        hidden = self._embed(ids)  # [n, hidden]
-        cos, sin = self._cos[:n], self._sin[:n]
+    def _prefill(self, prompts: list[torch.Tensor], slots: list[int]) -> list[torch.Tensor]:
+        """The forward of ``prompts`` (each ``[n_i]``, at positions ``0 .. n_i - 1``) as the rows of one pass, each
+        prompt attending causally to itself only, writing each layer's keys and values into its slot's first ``n_i``
+        columns; float32 logits ``[vocab]`` of each prompt's last position (the output head runs on those only)."""
+        lengths = [int(ids.shape[0]) for ids in prompts]
+        ids = torch.cat(prompts)  # [N]
+        rows = ids.shape[0]
+        positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
+        hidden = self._embed(ids)  # [N, hidden]
+        cos, sin = self._cos[positions], self._sin[positions]
         for i, layer in enumerate(self._weights(self.prefill_weights)):
             x = _rms_norm(hidden, layer.norm_in, self.eps)
-            q = _project(x, layer.q, layer.q_bias).view(n, self.heads, self.head_dim)
-            k = _project(x, layer.k, layer.k_bias).view(n, self.kv_heads, self.head_dim)
-            v = _project(x, layer.v, layer.v_bias).view(n, self.kv_heads, self.head_dim)
+            q = _project(x, layer.q, layer.q_bias).view(rows, self.heads, self.head_dim)
+            k = _project(x, layer.k, layer.k_bias).view(rows, self.kv_heads, self.head_dim)
+            v = _project(x, layer.v, layer.v_bias).view(rows, self.kv_heads, self.head_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, head_dim]
-            self._keys[i][slot, :, :n] = keys
-            self._values[i][slot, :, :n] = values
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None], is_causal=True, enable_gqa=True
-            )  # [1, heads, n, head_dim]
-            hidden = hidden + _project(attn[0].transpose(0, 1).reshape(n, -1), layer.o, layer.o_bias)
+            parts, start = [], 0
+            for slot, n in zip(slots, lengths, strict=True):
+                keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
+                self._keys[i][slot, :, :n] = keys  # [kv_heads, n, head_dim]
+                self._values[i][slot, :, :n] = values
+                queries = q[start : start + n].transpose(0, 1)  # [heads, n, head_dim]
+                attn = F.scaled_dot_product_attention(
+                    queries[None], keys[None], values[None], is_causal=True, enable_gqa=True
+                )  # [1, heads, n, head_dim]
+                parts.append(attn[0].transpose(0, 1).reshape(n, -1))
+                start += n
+            hidden = hidden + _project(torch.cat(parts), layer.o, layer.o_bias)
             x = _rms_norm(hidden, layer.norm_post, self.eps)
             gated = F.silu(_project(x, layer.gate, None)) * _project(x, layer.up, None)
             hidden = hidden + _project(gated, layer.down, None)
-        last = _rms_norm(hidden[-1:], self._norm.weight, self._norm_eps)
+        ends = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
+        last = _rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        return _project(last, self._matrix(head.weight, self.prefill_weights), head.bias).float()[0]
+        return list(_project(last, self._matrix(head.weight, self.prefill_weights), head.bias).float())
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor

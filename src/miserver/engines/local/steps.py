@@ -6,8 +6,10 @@ cache in ``hf_cache.HFSlots``, or the static slot cache of the fast forward in `
 :meth:`StepBatch.step` then
 
 1. releases the slots of the requests that leave (their client went away, their batch was cancelled);
-2. starts each admitted request: its prompt is prefilled *alone* into one slot (exactly the one-request prefill, no
-   padding), copied into one more slot per further sample (``n``), and each sequence samples its first token;
+2. starts each admitted request: its prompt is prefilled into one slot, exactly the one-request prefill (no padding;
+   the prompts of the requests that may share go through one ``prefill_many`` of the cache, which gives each slot
+   the bits of its prefill alone and reads the weights once; a batch-invariant request's prompt runs alone), is
+   copied into one more slot per further sample (``n``), and each sequence samples its first token;
 3. runs one decode step: every sequence of a request that may share (the default) in one forward pass, and each
    sequence of a batch-invariant request alone in its own (the single decode step: its result never depends on what
    else runs);
@@ -37,6 +39,7 @@ class Slots(Protocol):
     """A KV cache of sequences addressed by slot number (see ``hf_cache.HFSlots``, ``slots.SlotModel``)."""
 
     def prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor: ...
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
     def fork(self, src: int, dst: int) -> None: ...
     def release(self, slot: int) -> None: ...
@@ -89,6 +92,18 @@ class Update:
     result: GenerationResult | ValueError | None = None
     packed: bool = False
     generated: int = 0
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A request given its slots at this step, before its prefill: its start, token ``limit``, each sequence's
+    processors, its ``slots`` (one per sequence) and its prompt ``ids`` (``[prompt_len]``)."""
+
+    start: Start
+    limit: int
+    procs: list[Processors | None]
+    slots: list[int]
+    ids: torch.Tensor
 
 
 def advance(seq: Seq, logits: torch.Tensor, eos_ids: Collection[int], picked: int | None = None) -> bool:
@@ -175,8 +190,10 @@ class StepBatch:
         if self.capacity is not None and in_use + sum(s.request.n for s in starts) > self.capacity:
             raise ValueError("the admitted requests need more slots than the cache has")
         updates: dict[int, Update] = {}
-        for start in starts:
-            self._start(start, updates)
+        admitted = [a for a in (self._admit(start, updates) for start in starts) if a is not None]
+        for a, logits in zip(admitted, self._prefill(admitted, updates), strict=True):
+            if logits is not None:
+                self._begin(a, logits)
         going = [s for s in self.seqs if not s.done]
         if going:
             self._decode(going)
@@ -205,16 +222,17 @@ class StepBatch:
 
     # --- pieces ----------------------------------------------------------------------------------------------------
 
-    def _start(self, start: Start, updates: dict[int, Update]) -> None:
+    def _admit(self, start: Start, updates: dict[int, Update]) -> _Admitted | None:
+        """Check ``start`` and give it its slots; None once ``updates`` holds its answer (nothing to run, refused)."""
         request = start.request
         params = request.params
         if params.max_tokens <= 0:
             deltas = [StreamDelta(i, "", finish_reason="length") for i in range(request.n)]
             updates[start.ticket] = Update(start.ticket, deltas, collect_result(deltas, request))
-            return
+            return None
         if not request.prompt_ids:
             updates[start.ticket] = Update(start.ticket, result=ValueError("the prompt has no tokens"))
-            return
+            return None
         limit = params.max_tokens
         if self.max_positions is not None:
             limit = max(0, min(limit, self.max_positions - len(request.prompt_ids)))
@@ -222,27 +240,56 @@ class StepBatch:
             procs = [processors_for(params, self.grammars, self.device) for _ in range(request.n)]
         except ValueError as exc:
             updates[start.ticket] = Update(start.ticket, result=exc)
-            return
+            return None
         slots = [self._take_slot() for _ in range(request.n)]
         ids = torch.tensor(list(request.prompt_ids), dtype=torch.long, device=self.device)
-        try:
-            logits = self.cache.prefill(slots[0], ids)
-        except ValueError as exc:
-            self._free += slots
-            updates[start.ticket] = Update(start.ticket, result=exc)
-            return
-        for slot in slots[1:]:
-            self.cache.fork(slots[0], slot)
+        return _Admitted(start, limit, procs, slots, ids)
+
+    def _prefill(self, admitted: list[_Admitted], updates: dict[int, Update]) -> list[torch.Tensor | None]:
+        """Each admitted request's prompt prefilled into its first slot: the logits of its last position, or None
+        once ``updates`` holds its refusal (its slots freed). The requests that may share go through one prefill of
+        the cache (each slot's result is its prefill alone); a batch-invariant one runs alone; when a shared prefill
+        refuses a prompt, each of its prompts runs alone, so the refusal is that prompt's only."""
+        out: list[torch.Tensor | None] = [None] * len(admitted)
+        shared = [i for i, a in enumerate(admitted) if not a.start.invariant]
+        groups = [[i] for i, a in enumerate(admitted) if a.start.invariant]
+        if len(shared) > 1:
+            try:
+                logits = self.cache.prefill_many(
+                    [admitted[i].slots[0] for i in shared], [admitted[i].ids for i in shared]
+                )
+            except ValueError:
+                groups += [[i] for i in shared]
+            else:
+                for i, row in zip(shared, logits, strict=True):
+                    out[i] = row
+        else:
+            groups += [[i] for i in shared]
+        for (i,) in groups:
+            a = admitted[i]
+            try:
+                out[i] = self.cache.prefill(a.slots[0], a.ids)
+            except ValueError as exc:
+                self._free += a.slots
+                updates[a.start.ticket] = Update(a.start.ticket, result=exc)
+        return out
+
+    def _begin(self, a: _Admitted, logits: torch.Tensor) -> None:
+        """Start ``a``'s sequences from its prompt's ``logits``: the other samples' slots copy the first's cache, and
+        each sequence samples its first token."""
+        request, params = a.start.request, a.start.request.params
+        for slot in a.slots[1:]:
+            self.cache.fork(a.slots[0], slot)
         seqs = []
-        for i, slot in enumerate(slots):
+        for i, slot in enumerate(a.slots):
             generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             out = _Output(self.tokenizer, params.stop, i)
-            seqs.append(Seq(start.ticket, i, slot, params, generator, out, limit, start.invariant, procs[i]))
-        self._requests[start.ticket] = request
-        self._all[start.ticket] = seqs
+            seqs.append(Seq(a.start.ticket, i, slot, params, generator, out, a.limit, a.start.invariant, a.procs[i]))
+        self._requests[a.start.ticket] = request
+        self._all[a.start.ticket] = seqs
         for seq in seqs:
             self.seqs.append(seq)
-            if limit == 0:
+            if a.limit == 0:
                 seq.deltas.append(seq.out.finish("length"))
                 self._retire(seq)
             elif not advance(seq, logits, self.eos_ids):
