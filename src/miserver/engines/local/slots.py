@@ -32,6 +32,7 @@ import torch.nn.functional as F  # noqa: N812
 from transformers import PreTrainedModel
 
 from miserver.engines.local.generate import prefill
+from miserver.engines.local.llama_ops import compile_forward, project, rms_norm, rotate
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class SlotModel:
         #: the compiled forward (``compile``), or None: eager
         self._compiled: Callable[..., torch.Tensor] | None = None
         if compile:
-            self._compiled = _compile(self._forward)
+            self._compiled = compile_forward(self._forward)
         # (id(param), layout) -> (data_ptr, version, copy)
         self._copies: dict[tuple[int, WeightLayout], tuple[int, int, torch.Tensor]] = {}
         device, dtype = model.device, model.dtype
@@ -203,13 +204,12 @@ class SlotModel:
         return logits
 
     def prefill_many(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Run ``prompts[i]`` into ``slots[i]`` as :meth:`prefill` does, each slot's result the one it gets alone;
-        returns the float32 logits ``[vocab]`` of each prompt's last position. With ``own_prefill`` over prepacked
-        weights the prompts go through one forward pass: their positions are the rows of each matrix product
-        (oneDNN's product of a prepacked weight computes a row's bits whatever the other rows), while attention runs
-        per prompt and rotary embedding and norms per row, so each slot's cache and logits are bit for bit those of
-        its prefill alone, and the weights are read once for all of them; otherwise one prompt after the other.
-        Raises ``ValueError`` as :meth:`prefill` does, before any slot changes."""
+        """Run ``prompts[i]`` into ``slots[i]`` as :meth:`prefill` does; the float32 logits ``[vocab]`` of each
+        prompt's last position. With ``own_prefill`` over prepacked weights the prompts go through one forward pass:
+        their positions are the rows of each product (oneDNN's product of a prepacked weight computes a row's bits
+        whatever the other rows), attention runs per prompt, rotary embedding and norms per row, so each slot's cache
+        and logits are bit for bit its prefill alone's, and the weights are read once; otherwise one prompt after
+        the other. Raises ``ValueError`` as :meth:`prefill` does, before any slot changes."""
         for ids in prompts:
             self._check_prompt(ids)
         if self.own_prefill and (len(prompts) == 1 or self.prefill_weights == "packed"):
@@ -309,20 +309,20 @@ class SlotModel:
         cos, sin = self._cos[pos_t], self._sin[pos_t]  # [B, head_dim]
         mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
         for i, layer in enumerate(layers):
-            x = _rms_norm(hidden, layer.norm_in, self.eps)
-            q = _project(x, layer.q, layer.q_bias).view(b, self.heads, self.head_dim)
-            k = _project(x, layer.k, layer.k_bias).view(b, self.kv_heads, self.head_dim)
-            v = _project(x, layer.v, layer.v_bias).view(b, self.kv_heads, self.head_dim)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            x = rms_norm(hidden, layer.norm_in, self.eps)
+            q = project(x, layer.q, layer.q_bias).view(b, self.heads, self.head_dim)
+            k = project(x, layer.k, layer.k_bias).view(b, self.kv_heads, self.head_dim)
+            v = project(x, layer.v, layer.v_bias).view(b, self.kv_heads, self.head_dim)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self._keys[i][slot_t, :, pos_t] = k
             self._values[i][slot_t, :, pos_t] = v
             attn = self._attend(i, q, row_t, lo, seen.shape[0], width, mask)  # [B, heads * head_dim]
-            hidden = hidden + _project(attn, layer.o, layer.o_bias)
-            x = _rms_norm(hidden, layer.norm_post, self.eps)
-            gated = F.silu(_project(x, layer.gate, None)) * _project(x, layer.up, None)
-            hidden = hidden + _project(gated, layer.down, None)
-        hidden = _rms_norm(hidden, self._norm.weight, self._norm_eps)
-        return _project(hidden, head, head_bias).float()
+            hidden = hidden + project(attn, layer.o, layer.o_bias)
+            x = rms_norm(hidden, layer.norm_post, self.eps)
+            gated = F.silu(project(x, layer.gate, None)) * project(x, layer.up, None)
+            hidden = hidden + project(gated, layer.down, None)
+        hidden = rms_norm(hidden, self._norm.weight, self._norm_eps)
+        return project(hidden, head, head_bias).float()
 
     def _prefill(self, prompts: list[torch.Tensor], slots: list[int]) -> list[torch.Tensor]:
         """The forward of ``prompts`` (each ``[n_i]``, at positions ``0 .. n_i - 1``) as the rows of one pass, each
@@ -335,11 +335,11 @@ class SlotModel:
         hidden = self._embed(ids)  # [N, hidden]
         cos, sin = self._cos[positions], self._sin[positions]
         for i, layer in enumerate(self._weights(self.prefill_weights)):
-            x = _rms_norm(hidden, layer.norm_in, self.eps)
-            q = _project(x, layer.q, layer.q_bias).view(rows, self.heads, self.head_dim)
-            k = _project(x, layer.k, layer.k_bias).view(rows, self.kv_heads, self.head_dim)
-            v = _project(x, layer.v, layer.v_bias).view(rows, self.kv_heads, self.head_dim)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            x = rms_norm(hidden, layer.norm_in, self.eps)
+            q = project(x, layer.q, layer.q_bias).view(rows, self.heads, self.head_dim)
+            k = project(x, layer.k, layer.k_bias).view(rows, self.kv_heads, self.head_dim)
+            v = project(x, layer.v, layer.v_bias).view(rows, self.kv_heads, self.head_dim)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             parts, start = [], 0
             for slot, n in zip(slots, lengths, strict=True):
                 keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
@@ -351,14 +351,14 @@ class SlotModel:
                 )  # [1, heads, n, head_dim]
                 parts.append(attn[0].transpose(0, 1).reshape(n, -1))
                 start += n
-            hidden = hidden + _project(torch.cat(parts), layer.o, layer.o_bias)
-            x = _rms_norm(hidden, layer.norm_post, self.eps)
-            gated = F.silu(_project(x, layer.gate, None)) * _project(x, layer.up, None)
-            hidden = hidden + _project(gated, layer.down, None)
+            hidden = hidden + project(torch.cat(parts), layer.o, layer.o_bias)
+            x = rms_norm(hidden, layer.norm_post, self.eps)
+            gated = F.silu(project(x, layer.gate, None)) * project(x, layer.up, None)
+            hidden = hidden + project(gated, layer.down, None)
         ends = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
-        last = _rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
+        last = rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        return list(_project(last, self._matrix(head.weight, self.prefill_weights), head.bias).float())
+        return list(project(last, self._matrix(head.weight, self.prefill_weights), head.bias).float())
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
@@ -448,44 +448,3 @@ class SlotModel:
                 new[: self._slots, :, : self._capacity].copy_(old)
                 cache[i] = new
         self._slots, self._capacity = slots, capacity
-
-
-def _compile(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
-    """``torch.compile(forward)`` with dynamic shapes, or None (logged) when compiling cannot even start."""
-    try:
-        compiled: Callable[..., torch.Tensor] = torch.compile(forward, dynamic=True)
-    except Exception:
-        log.warning("torch.compile is unavailable; the decode step runs eager", exc_info=True)
-        return None
-    return compiled
-
-
-def _project(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one; a oneDNN
-    ``matrix`` is the ``[out, in]`` weight prepacked (:meth:`SlotModel._matrix`), multiplied by oneDNN's linear."""
-    if matrix.is_mkldnn:
-        if matrix.dtype == x.dtype:
-            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, bias, "none", [], "")
-            return y
-        # bfloat16 weights: the product in bfloat16, its result back in x's dtype
-        low: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.to(matrix.dtype), matrix, None, "none", [], "")
-        y = low.to(x.dtype)
-        return y if bias is None else y + bias
-    y = torch.matmul(x, matrix)
-    return y if bias is None else y + bias
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm of ``x`` (``[..., hidden]``), the operations of transformers' ``LlamaRMSNorm`` in order."""
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` (``[B, heads, head_dim]``) at each row's position (``cos``, ``sin``: ``[B,
-    head_dim]``), as transformers' ``apply_rotary_pos_emb``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos[:, None, :]) + (rotated * sin[:, None, :])

@@ -1,0 +1,53 @@
+"""The Llama operations of the slot forward (``slots.SlotModel``): a projection over a plain, transposed or
+prepacked weight, RMSNorm, rotary embedding, and ``torch.compile`` of a forward with its fallback. Each works row by
+row (a row's result never depends on the other rows of its tensor, given the same kernel)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def compile_forward(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
+    """``torch.compile(forward)`` with dynamic shapes, or None (logged) when compiling cannot even start."""
+    try:
+        compiled: Callable[..., torch.Tensor] = torch.compile(forward, dynamic=True)
+    except Exception:
+        log.warning("torch.compile is unavailable; the decode step runs eager", exc_info=True)
+        return None
+    return compiled
+
+
+def project(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one; a oneDNN
+    ``matrix`` is the ``[out, in]`` weight prepacked (``slots.SlotModel._matrix``), multiplied by oneDNN's linear."""
+    if matrix.is_mkldnn:
+        if matrix.dtype == x.dtype:
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, bias, "none", [], "")
+            return y
+        # bfloat16 weights: the product in bfloat16, its result back in x's dtype
+        low: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.to(matrix.dtype), matrix, None, "none", [], "")
+        y = low.to(x.dtype)
+        return y if bias is None else y + bias
+    y = torch.matmul(x, matrix)
+    return y if bias is None else y + bias
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of ``x`` (``[..., hidden]``), the operations of transformers' ``LlamaRMSNorm`` in order."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (``[B, heads, head_dim]``) at each row's position (``cos``, ``sin``: ``[B,
+    head_dim]``), as transformers' ``apply_rotary_pos_emb``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None, :]) + (rotated * sin[:, None, :])
