@@ -24,14 +24,11 @@ import sqlalchemy as sa
 from fastapi import FastAPI
 
 from miserver.app import create_app
-from miserver.clock import now
-from miserver.ids import ordered_id
 from miserver.services.accounts import keys as accounts
 from miserver.settings import Settings
 from miserver.store import Store
-from miserver.store import batches as store_batches
-from miserver.store import files as store_files
 from miserver.store.schema import api_keys
+from tests.support.stored import stored_batch
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": []}}\n'
 
@@ -55,33 +52,9 @@ class Served:
 
 
 async def _owned_job(store: Store, owner: str) -> tuple[str, str]:
-    """A file and a ``validating`` batch over it, both owned by the key ``owner``."""
-    file_id, batch_id = ordered_id("file-"), ordered_id("batch_")
-    async with store.tx() as conn:
-        await store_files.insert_file(
-            conn,
-            file_id=file_id,
-            purpose="batch",
-            filename="in.jsonl",
-            created_at=now(),
-            expires_at=None,
-            chunks=[LINE],
-            owner_key_id=owner,
-        )
-        await store_batches.insert_batch(
-            conn,
-            batch_id=batch_id,
-            endpoint="/v1/chat/completions",
-            input_file_id=file_id,
-            completion_window="24h",
-            created_at=now(),
-            expires_at=now() + 3600,
-            metadata=None,
-            pack=False,
-            output_expires_seconds=None,
-            owner_key_id=owner,
-        )
-    return file_id, batch_id
+    """A file and a ``validating`` batch over it, both owned by the key ``owner``: their ids."""
+    batch = await stored_batch(store, LINE, endpoint="/v1/chat/completions", window=3600, owner=owner)
+    return batch.input_file_id, batch.id
 
 
 @pytest.fixture
