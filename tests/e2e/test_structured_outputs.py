@@ -14,7 +14,9 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
+from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ValidationError
 
 from miserver.engines.local.loader import load_tokenizer, resolve_model_source
@@ -119,15 +121,21 @@ def test_bad_schemas_and_biases_are_refused_naming_the_field(server: ServerProce
     assert (exc.status_code, error_of(exc)["param"]) == (400, "text.format.schema")
 
 
-def test_logit_bias_and_penalties_change_the_answer(server: ServerProcess) -> None:
-    client = server.client(timeout=60.0)
-    messages = [{"role": "user", "content": "Name three fruits."}]
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True)
+def first_token(client: openai.OpenAI, messages: list[dict[str, str]]) -> tuple[ChatCompletion, str, int]:
+    """The greedy 12-token answer to ``messages``, its first token's text and that token's id (from the model's own
+    tokenizer)."""
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True)  # type: ignore[arg-type]
     assert plain.choices[0].logprobs and plain.choices[0].logprobs.content
-    # the first token's id, from the model's own tokenizer: ban it and the answer must start otherwise
     first = plain.choices[0].logprobs.content[0].token
     tokenizer = load_tokenizer(resolve_model_source(MODEL), default_cache_dir())
     (token_id,) = tokenizer.convert_tokens_to_ids([tokenizer.tokenize(first)[0]])
+    return plain, first, int(token_id)
+
+
+def test_logit_bias_and_penalties_change_the_answer(server: ServerProcess) -> None:
+    client = server.client(timeout=60.0)
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    plain, _, token_id = first_token(client, messages)  # ban it and the answer must start otherwise
     banned = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, temperature=0, logit_bias={str(token_id): -100}
     )
@@ -293,11 +301,7 @@ def test_one_openai_batch_file_with_every_field_runs_unchanged(server: ServerPro
     """A file as an OpenAI Batch job would take it: json_schema, tools, logit_bias and penalties side by side."""
     client = server.client(timeout=60.0)
     fruits = [{"role": "user", "content": "Name three fruits."}]
-    plain = client.chat.completions.create(model=MODEL, messages=fruits, max_tokens=12, temperature=0, logprobs=True)
-    assert plain.choices[0].logprobs and plain.choices[0].logprobs.content
-    first = plain.choices[0].logprobs.content[0].token
-    tokenizer = load_tokenizer(resolve_model_source(MODEL), default_cache_dir())
-    (token_id,) = tokenizer.convert_tokens_to_ids([tokenizer.tokenize(first)[0]])
+    plain, first, token_id = first_token(client, fruits)
     ask = {"model": MODEL, "messages": fruits, "max_tokens": 12, "temperature": 0, "logprobs": True}
     weather = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 40}
     lines = [
