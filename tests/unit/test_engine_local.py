@@ -20,8 +20,8 @@ from miserver.engines.base import (
     SamplingParams,
     StreamDelta,
 )
-from miserver.engines.local import engine as engine_module
 from miserver.engines.local import loader
+from miserver.engines.local import thread as thread_module
 from miserver.engines.local.detokenize import _Output
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
@@ -319,7 +319,7 @@ async def test_only_the_engine_thread_runs_torch_on_several_threads(
     loop's thread and threads started later on one (a second team made libgomp stop spinning between parallel
     regions: a decode step cost twice as much); a model loaded later gets the count torch had before the first
     engine started, not the loop thread's one."""
-    monkeypatch.setattr(engine_module, "_threads_at_first_start", 2)
+    monkeypatch.setattr(thread_module, "_threads_at_first_start", 2)
     before = torch.get_num_threads()
     loop = asyncio.get_running_loop()
     try:

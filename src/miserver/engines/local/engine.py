@@ -38,6 +38,7 @@ from miserver.engines.local.processors import CacheStats, Grammars
 from miserver.engines.local.scheduler import Group, StepScheduler, Ticket
 from miserver.engines.local.score import score_pack
 from miserver.engines.local.steps import Start, StepBatch, Update
+from miserver.engines.local.thread import engine_threads, new_executor, one_openmp_team
 
 _T = TypeVar("_T")
 
@@ -47,39 +48,6 @@ DEFAULT_MAX_SEQUENCES = 24
 DEFAULT_BATCH_SLOTS = 16
 #: Batch prompt tokens prefilled in one step at most (the default of ``BATCH_PREFILL_TOKENS``).
 DEFAULT_PREFILL_TOKENS = 256
-
-
-def _new_executor(threads: int | None = None) -> ThreadPoolExecutor:
-    """The engine's one thread; with ``threads``, its forward passes run on that many OpenMP threads."""
-    if threads is None:
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="miserver-engine")
-    return ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix="miserver-engine", initializer=torch.set_num_threads, initargs=(threads,)
-    )
-
-
-#: torch's thread count before the first engine started here left every other thread one (see
-#: :func:`_one_openmp_team`): the default of every engine of the process, a model loaded later included.
-_threads_at_first_start: int | None = None
-
-
-def _engine_threads(threads: int | None) -> int:
-    """The OpenMP threads of an engine's forward passes: ``threads``, else torch's count before any engine started."""
-    global _threads_at_first_start
-    if _threads_at_first_start is None:
-        _threads_at_first_start = torch.get_num_threads()
-    return threads if threads is not None else _threads_at_first_start
-
-
-def _one_openmp_team(executor: ThreadPoolExecutor) -> None:
-    """Leave the engine thread the only one whose torch work runs on several OpenMP threads: every other thread (the
-    event loop's, those started later) gets one from now on. GNU libgomp spins between parallel regions only while
-    the threads of all its teams fit the cores; a second team of two threads on two cores (one torch operation on
-    the event loop was enough) made it sleep at once, and a decode step cost twice as much (30 against 57 ms here,
-    about 600 regions a step), for the rest of the process. Waits for ``executor``'s thread to have started."""
-    executor.submit(torch.get_num_threads).result()
-    torch.get_num_threads()  # this thread's torch threads are set up now, then set to one
-    torch.set_num_threads(1)
 
 
 class LocalEngine:
@@ -106,7 +74,7 @@ class LocalEngine:
         decode: DecodeOptions = DEFAULT_DECODE,
     ) -> None:
         self._loaded: LoadedModel | None = loaded
-        self._executor = executor or _new_executor()
+        self._executor = executor or new_executor()
         config = loaded.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
@@ -163,19 +131,19 @@ class LocalEngine:
         """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine. The
         engine thread's forward passes run on ``threads`` OpenMP threads (None: as many as torch used before the
         first engine of the process started); torch work on any other thread runs on one from then on (see
-        :func:`_one_openmp_team`).
+        :func:`thread.one_openmp_team`).
 
         Raises ``ValueError`` for an unknown model id or path (see ``resolve_model_source``).
         """
         source = resolve_model_source(model, served_model_name)
-        executor = _new_executor(_engine_threads(threads))
+        executor = new_executor(engine_threads(threads))
         cache = Path(cache_dir).expanduser()
         try:
             loaded = await asyncio.get_running_loop().run_in_executor(executor, load_model, source, cache, device)
         except BaseException:
             executor.shutdown(wait=False, cancel_futures=True)
             raise
-        _one_openmp_team(executor)
+        one_openmp_team(executor)
         return cls(
             loaded,
             source.served_id,
