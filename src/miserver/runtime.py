@@ -63,6 +63,9 @@ async def load_engine(settings: Settings) -> Engine:
             prefill=settings.prefill,
             compile=settings.compile == "on",
             compile_cache=settings.cache_dir / "inductor",
+            attention=settings.decode_attention,
+            kv_cache=settings.kv_cache,
+            kernel_cache=settings.cache_dir / "kernels",
         ),
     )
 

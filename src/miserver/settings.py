@@ -86,6 +86,21 @@ class Settings(BaseSettings):
         "only; several rows a step cost about what one costs), transposed (a contiguous [in, out] copy for MKL) or "
         "view (the model's own weights, no copy)",
     )
+    decode_attention: Literal["kernel", "sdpa"] = Field(
+        "kernel",
+        validation_alias=_env("MISERVER_DECODE_ATTENTION"),
+        description="attention of the slots decode step: kernel (miServer's own C kernel, each row over its own "
+        "tokens only; built with the machine's C compiler at the first start and cached under "
+        "MISERVER_CACHE_DIR/kernels; torch's attention where it cannot be built) or sdpa (torch's fused attention "
+        "over the longest row's width, masked)",
+    )
+    kv_cache: Literal["bfloat16", "model"] = Field(
+        "bfloat16",
+        validation_alias=_env("MISERVER_KV_CACHE"),
+        description="dtype of the slots KV cache under the attention kernel: bfloat16 (half the bytes a decode step "
+        "reads; a prompt's first token is computed before the rounding) or model (the model's dtype); with sdpa "
+        "attention the cache is always in the model's dtype",
+    )
     compile: Literal["off", "on"] = Field(
         "off",
         validation_alias=_env("MISERVER_COMPILE"),

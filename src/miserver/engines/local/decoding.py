@@ -12,7 +12,7 @@ from typing import Literal
 from transformers import PreTrainedModel
 
 from miserver.engines.local.hf_cache import HFSlots
-from miserver.engines.local.slots import SlotModel, WeightLayout, supported
+from miserver.engines.local.slots import AttentionKind, KVCacheKind, SlotModel, WeightLayout, supported
 from miserver.engines.local.steps import Slots
 
 DecodePath = Literal["slots", "transformers"]
@@ -24,17 +24,23 @@ class DecodeOptions:
     ``"transformers"`` (``hf_cache.HFSlots``); for the slot forward, its ``weights`` layout, its ``prefill`` (its own
     forward over the prompt, ``"slots"``, or transformers' bit for bit, ``"transformers"``) and ``compile`` (see
     :class:`SlotModel`), with inductor's compiled artefacts kept under ``compile_cache`` (None: inductor's default
-    folder) so that a later start compiles from the cache."""
+    folder) so that a later start compiles from the cache; its decode ``attention`` and ``kv_cache`` dtype (see
+    :class:`SlotModel`), the native attention kernel built under ``kernel_cache`` (None:
+    ``attention.default_folder()``)."""
 
     path: DecodePath = "slots"
     weights: WeightLayout = "bfloat16"
     prefill: DecodePath = "slots"
     compile: bool = False
     compile_cache: Path | None = None
+    attention: AttentionKind = "kernel"
+    kv_cache: KVCacheKind = "bfloat16"
+    kernel_cache: Path | None = None
 
 
 #: The default: the slot forward (prefill and decode), eager, with weights prepacked for oneDNN on the CPU, in
-#: bfloat16 where the CPU multiplies bfloat16 natively.
+#: bfloat16 where the CPU multiplies bfloat16 natively; the decode step attends with the native kernel over a
+#: bfloat16 KV cache where the kernel builds.
 DEFAULT_DECODE = DecodeOptions()
 
 
@@ -51,5 +57,8 @@ def make_slots(model: PreTrainedModel, max_positions: int | None, options: Decod
             weights=options.weights,
             own_prefill=options.prefill == "slots",
             compile=options.compile,
+            attention=options.attention,
+            kv_cache=options.kv_cache,
+            kernel_folder=options.kernel_cache,
         )
     return HFSlots(model, max_positions=max_positions)

@@ -10,7 +10,8 @@ goes past what it holds, up to ``max_positions`` columns.
 A prompt is prefilled either by this module's own forward over all its positions (causal attention, the decode
 step's weights) or by transformers itself (``generate.prefill``: exactly the one-request prefill), its keys and
 values then copied into the slot. The forward is embedding, RMSNorm, rotary embedding, grouped-query attention over
-the static cache, SwiGLU MLP, final norm and output head, each read from the transformers model at every step
+the static cache (in a decode step, the native kernel of ``attention.py`` over each slot's own columns, where it
+builds; else torch's fused attention over the longest slot's, masked), SwiGLU MLP, final norm and output head, each read from the transformers model at every step
 (weight edits on the resident model are seen at the next step). Its logits differ from transformers' in the last
 bits (another attention kernel; with bfloat16 weights, in the products' rounding too), so greedy tokens agree with
 transformers for typical prompts but not bit for bit; within one weight layout, a slot computes the same bits alone
@@ -25,12 +26,14 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from transformers import PreTrainedModel
 
+from miserver.engines.local import attention as attention_kernel
 from miserver.engines.local.generate import prefill
 from miserver.engines.local.llama_ops import compile_forward, project, rms_norm, rotate
 
@@ -63,6 +66,10 @@ def supported(model: PreTrainedModel) -> bool:
 #: How the slot forward holds the projection weights and the output head (see :class:`SlotModel`).
 WeightLayout = Literal["bfloat16", "packed", "transposed", "view"]
 WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = get_args(WeightLayout)
+#: How the decode step attends (see :class:`SlotModel`).
+AttentionKind = Literal["kernel", "sdpa"]
+#: The dtype of the KV cache (see :class:`SlotModel`).
+KVCacheKind = Literal["model", "bfloat16"]
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -117,7 +124,9 @@ class SlotModel:
     of those weights in memory and is remade at the next step when its parameter changed (a weight write). ``compile``
     runs the decode forward through ``torch.compile`` (dynamic shapes; compiled at the first steps of each new shape,
     minutes on a small CPU, from inductor's cache at later starts); any failure of it is logged and the step runs
-    eager from then on.
+    eager from then on. ``attention`` says how the decode step attends: ``"kernel"``, the native kernel of
+    ``attention.py`` (each row over its own columns; built under ``kernel_folder``), where it covers the model and
+    builds, and not with ``compile``; else ``"sdpa"``, torch's fused attention over the longest row's width, masked.
     """
 
     def __init__(
@@ -128,6 +137,9 @@ class SlotModel:
         weights: WeightLayout = "view",
         own_prefill: bool = False,
         compile: bool = False,
+        attention: AttentionKind = "sdpa",
+        kv_cache: KVCacheKind = "model",
+        kernel_folder: Path | None = None,
     ) -> None:
         if not supported(model):
             raise ValueError(f"the slot forward does not cover {type(model).__name__} ({model.config.model_type})")
@@ -159,8 +171,20 @@ class SlotModel:
         if weights == "packed" and not packing_available(device, dtype):
             weights = "transposed" if device.type == "cpu" else "view"
         self.weights: WeightLayout = weights
+        #: the native decode attention, or None: torch's
+        self._kernel: attention_kernel.DecodeAttention | None = None
+        covered = attention_kernel.DecodeAttention.covers(self.heads, self.kv_heads, self.head_dim, dtype, device)
+        if attention == "kernel" and covered and not compile:
+            self._kernel = attention_kernel.load(kernel_folder)
+        self.attention: AttentionKind = "kernel" if self._kernel is not None else "sdpa"
+        self.kv_cache: KVCacheKind = kv_cache if self._kernel is not None else "model"
+        self.kv_dtype = torch.bfloat16 if self.kv_cache == "bfloat16" else dtype
         log.info(
-            "slot forward: decode step weights %s%s", weights, f" ({asked} is not available here)" * (asked != weights)
+            "slot forward: decode step weights %s%s, attention %s, KV cache %s",
+            weights,
+            f" ({asked} is not available here)" * (asked != weights),
+            self.attention,
+            self.kv_dtype,
         )
         #: the own prefill's layout: the decode step's, in the model's dtype (bfloat16 decodes only)
         self.prefill_weights: WeightLayout = "packed" if weights == "bfloat16" else weights
@@ -307,6 +331,8 @@ class SlotModel:
         row_t = slot_t - lo
         hidden = self._embed(tokens)  # [B, hidden]
         cos, sin = self._cos[pos_t], self._sin[pos_t]  # [B, head_dim]
+        kernel = self._kernel
+        columns = pos_t + 1  # [B]: each row's own columns (the kernel's)
         mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
         for i, layer in enumerate(layers):
             x = rms_norm(hidden, layer.norm_in, self.eps)
@@ -314,9 +340,12 @@ class SlotModel:
             k = project(x, layer.k, layer.k_bias).view(b, self.kv_heads, self.head_dim)
             v = project(x, layer.v, layer.v_bias).view(b, self.kv_heads, self.head_dim)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            self._keys[i][slot_t, :, pos_t] = k
-            self._values[i][slot_t, :, pos_t] = v
-            attn = self._attend(i, q, row_t, lo, seen.shape[0], width, mask)  # [B, heads * head_dim]
+            self._keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
+            self._values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)
+            if kernel is not None:
+                attn = kernel(q, self._keys[i], self._values[i], slot_t, columns, self.scale)
+            else:
+                attn = self._attend(i, q, row_t, lo, seen.shape[0], width, mask)  # [B, heads * head_dim]
             hidden = hidden + project(attn, layer.o, layer.o_bias)
             x = rms_norm(hidden, layer.norm_post, self.eps)
             gated = F.silu(project(x, layer.gate, None)) * project(x, layer.up, None)
@@ -431,7 +460,7 @@ class SlotModel:
     # --- the cache --------------------------------------------------------------------------------------------------
 
     def _empty(self, slots: int, capacity: int) -> torch.Tensor:
-        return torch.zeros((slots, self.kv_heads, capacity, self.head_dim), dtype=self.dtype, device=self.device)
+        return torch.zeros((slots, self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype, device=self.device)
 
     def _reserve(self, slot: int, columns: int) -> None:
         """Grow the cache (doubling) until it has row ``slot`` and ``columns`` columns."""

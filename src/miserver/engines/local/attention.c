@@ -1,0 +1,152 @@
+/*
+ * Grouped-query attention of one decode step over a static KV cache, each row over its own length only.
+ *
+ * Shapes (float32, C order):
+ *   q       [rows, heads, head_dim]           the step's rotated queries
+ *   keys    [slots, kv_heads, capacity, head_dim]   one layer of the cache, float32 or bfloat16 (values: the same)
+ *   slot    [rows]  (int64)                   the cache slot of each row
+ *   seen    [rows]  (int64)                   the columns 0 .. seen - 1 each row attends to (1 <= seen <= capacity)
+ *   out     [rows, heads, head_dim]           softmax(q k^T * scale) v of each query head
+ *
+ * Query head h reads kv head h / (heads / kv_heads), as transformers' repeat_kv. One task is one (row, kv head)
+ * pair: it reads that pair's keys and values once for the whole query group, in column order, and nothing of any
+ * other row, so a row's result never depends on the other rows of the step, nor on how tasks are spread over
+ * threads. head_dim must be a multiple of 16 and heads a multiple of kv_heads (the caller checks).
+ *
+ * Vectors are GCC's vector extensions (16 floats), which the compiler lowers to the machine's own (AVX-512, AVX2,
+ * SSE or NEON). The exponential is Cephes' expf polynomial (range reduction by log 2, degree-5 polynomial, exponent
+ * bits), as in llama.cpp's and other CPU engines' softmax: within 2 ulp of expf.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define LANES 16
+
+/* 16 floats, loaded and stored at any float alignment (the compiler lowers it to the machine's vectors) */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+
+static inline __attribute__((always_inline)) v16 load(const void *base, int64_t at, const int bf16) {
+    /* 16 cache elements from element ``at``, as floats (a bfloat16 is a float's upper 16 bits) */
+    if (bf16) return (v16)(__builtin_convertvector(*(const h16 *)((const uint16_t *)base + at), i16) << 16);
+    return *(const v16 *)((const float *)base + at);
+}
+
+static inline float sum16(v16 x) {
+    /* fixed order: halves added pairwise, four times */
+    v16 a = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    a = a + __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    a = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    a = a + __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    return a[0];
+}
+
+static inline float max16(v16 x) {
+    float top = x[0];
+    for (int l = 1; l < LANES; l++) top = x[l] > top ? x[l] : top;
+    return top;
+}
+
+static inline v16 exp_neg(v16 x) {
+    /* e^x for x <= 0 (a score minus its row's maximum); under -87 it is 2^-126 or less, taken as e^-87 */
+    const v16 floor_ = (v16){0} - 87.0f;
+    i16 low = x < floor_;
+    x = (v16)(((i16)x & ~low) | ((i16)floor_ & low));
+    i16 ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16); /* round(x / ln 2) for x <= 0 */
+    v16 n = __builtin_convertvector(ni, v16);
+    v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v16 y = (v16){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    return y * (v16)((ni + 127) << 23);
+}
+
+static inline __attribute__((always_inline)) void attend_one(const float *q, const void *k, const void *v,
+                                                            float *out, int64_t group, const int64_t head_dim,
+                                                            int64_t seen, float scale, float *scores,
+                                                            const int bf16) {
+    /* q [group, head_dim], k and v [seen, head_dim], out [group, head_dim]; scores [group, padded] with padded
+       seen rounded up to 16 */
+    const int64_t chunks = head_dim / LANES;
+    const int64_t padded = (seen + LANES - 1) / LANES * LANES;
+    for (int64_t j = 0; j < seen; j++) {
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * head_dim;
+            v16 acc = *(const v16 *)qg * load(k, j * head_dim, bf16);
+            for (int64_t c = 1; c < chunks; c++)
+                acc += *(const v16 *)(qg + c * LANES) * load(k, j * head_dim + c * LANES, bf16);
+            scores[g * padded + j] = sum16(acc) * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * padded;
+        for (int64_t j = seen; j < padded; j++) s[j] = s[0]; /* the padding: cleared after the exponential */
+        v16 top = *(v16 *)s;
+        for (int64_t j = LANES; j < padded; j += LANES) {
+            v16 x = *(v16 *)(s + j);
+            top = (v16)(((i16)x & (x > top)) | ((i16)top & ~(x > top)));
+        }
+        const float m = max16(top);
+        v16 total = (v16){0};
+        for (int64_t j = 0; j < padded; j += LANES) {
+            v16 p = exp_neg(*(v16 *)(s + j) - m);
+            if (j + LANES > seen)
+                for (int64_t l = seen - j; l < LANES; l++) p[l] = 0.0f;
+            *(v16 *)(s + j) = p;
+            total += p;
+        }
+        const float inv = 1.0f / sum16(total);
+        float *o = out + g * head_dim;
+        for (int64_t c = 0; c < chunks; c++) {
+            v16 acc = (v16){0};
+            for (int64_t j = 0; j < seen; j++) acc += s[j] * load(v, j * head_dim + c * LANES, bf16);
+            *(v16 *)(o + c * LANES) = acc * inv;
+        }
+    }
+}
+
+int miserver_decode_attention(const float *q, const void *keys, const void *values, const int64_t *slot,
+                              const int64_t *seen, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
+                              int64_t capacity, int64_t head_dim, float scale, int threads, int bf16) {
+    /* 0 on success; 1 when scratch memory could not be had, 2 for a query group over MAX_GROUP (out undefined) */
+    const int64_t group = heads / kv_heads;
+    const int64_t tasks = rows * kv_heads;
+    const size_t element = bf16 ? 2 : 4;
+    int failed = 0;
+    if (group > MAX_GROUP) return 2;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scores = malloc((size_t)(group * (capacity + LANES)) * sizeof(float));
+        if (scores == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (scores == NULL) continue;
+            const int64_t row = t / kv_heads, h = t % kv_heads;
+            const size_t base = (size_t)((slot[row] * kv_heads + h) * capacity * head_dim) * element;
+            const char *k = (const char *)keys + base, *v = (const char *)values + base;
+            const int64_t at = (row * heads + h * group) * head_dim;
+            float *o = out + at;
+            /* constant head_dim and element type for the common shapes, so that their loops unroll */
+            if (bf16 && head_dim == 64)
+                attend_one(q + at, k, v, o, group, 64, seen[row], scale, scores, 1);
+            else if (bf16)
+                attend_one(q + at, k, v, o, group, head_dim, seen[row], scale, scores, 1);
+            else if (head_dim == 64)
+                attend_one(q + at, k, v, o, group, 64, seen[row], scale, scores, 0);
+            else
+                attend_one(q + at, k, v, o, group, head_dim, seen[row], scale, scores, 0);
+        }
+        free(scores);
+    }
+    return failed;
+}

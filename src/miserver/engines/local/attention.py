@@ -1,0 +1,145 @@
+"""The decode step's attention kernel: ``attention.c``, built on first use with the machine's C compiler and loaded
+with ctypes.
+
+torch's fused attention runs a decode step's grouped-query attention as one small matrix product per row and kv
+head over the longest row's width (masked), and those small products cost far more than the bytes they read. The
+kernel reads each row's own columns only, once for its whole query group, with the products and the softmax
+vectorised by the compiler (see the C source for the shapes and the order of operations). A row's result never
+depends on the rest of its step. It runs on torch's own OpenMP threads: it is linked against ``libgomp.so.1``, the
+runtime torch has already loaded, and asks for ``torch.get_num_threads()`` threads.
+
+The shared object is built once per source, compiler and processor (``-march=native``) under the cache folder
+given to :func:`load` and reused by later starts; the build takes about a second. Without a compiler, or when the
+build or the load fails, :func:`load` logs why and returns None: the slot forward then uses torch's attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("attention.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+#: the query group a task holds (``heads / kv_heads``), as ``MAX_GROUP`` in the C source
+MAX_GROUP = 16
+#: head_dim must be a multiple of this
+LANES = 16
+
+
+def default_folder() -> Path:
+    """``$XDG_CACHE_HOME/miserver/kernels`` (``~/.cache/miserver/kernels``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "miserver" / "kernels"
+
+
+def _processor() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and flags (Linux), else the platform's machine name."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep))) or platform.machine()
+
+
+class DecodeAttention:
+    """The loaded kernel (see the module); :meth:`__call__` runs one layer of one decode step."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.miserver_decode_attention
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    @staticmethod
+    def covers(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the kernel computes this attention: float32 on the CPU, ``head_dim`` a multiple of 16, a query
+        group of at most 16 heads."""
+        return (
+            device.type == "cpu"
+            and dtype == torch.float32
+            and head_dim % LANES == 0
+            and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUP
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slot: torch.Tensor,
+        seen: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of ``q`` (``[rows, heads, head_dim]``, float32) over one layer's cache ``keys`` and ``values``
+        (``[slots, kv_heads, capacity, head_dim]``, float32 or bfloat16, contiguous), row ``r`` over the first
+        ``seen[r]`` columns of slot ``slot[r]`` (both ``[rows]``, int64, ``1 <= seen <= capacity``); returns
+        ``[rows, heads * head_dim]`` float32. Raises ``MemoryError`` when the kernel cannot allocate its scratch."""
+        q = q.contiguous()
+        rows, heads, head_dim = q.shape
+        _, kv_heads, capacity, _ = keys.shape
+        assert keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape
+        assert keys.dtype == values.dtype and keys.dtype in (torch.float32, torch.bfloat16) and q.dtype == torch.float32
+        assert slot.dtype == torch.long and seen.dtype == torch.long and slot.is_contiguous() and seen.is_contiguous()
+        out = torch.empty_like(q)
+        failed = self._fn(
+            q.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            slot.data_ptr(),
+            seen.data_ptr(),
+            out.data_ptr(),
+            rows,
+            heads,
+            kv_heads,
+            capacity,
+            head_dim,
+            scale,
+            torch.get_num_threads(),
+            keys.dtype == torch.bfloat16,
+        )
+        if failed:
+            raise MemoryError("the decode attention kernel could not allocate its scores")
+        return out.view(rows, heads * head_dim)
+
+
+def load(folder: Path | None = None) -> DecodeAttention | None:
+    """The kernel, built under ``folder`` (default :func:`default_folder`) unless a build for this source, compiler
+    and processor is there; None (logged) when it cannot be built or loaded. The compiler is ``$CC`` or ``cc``."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        log.warning("no C compiler (%s): the decode step uses torch's attention", compiler)
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256(
+            "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _processor()]).encode()
+        ).hexdigest()[:16]
+        folder = folder or default_folder()
+        target = folder / f"attention-{key}.so"
+        if not target.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as scratch:
+                built = Path(scratch) / target.name
+                subprocess.run(
+                    [compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, check=True
+                )
+                os.replace(built, target)  # atomic: a concurrent start loads one whole file or builds its own
+        return DecodeAttention(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        log.warning("the decode attention kernel was not built (%s): the decode step uses torch's attention", detail)
+        return None
