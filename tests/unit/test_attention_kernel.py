@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from miserver.engines.local import attention
+from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import make_slots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slots import AttentionKind, KVCacheKind, SlotModel
+from miserver.engines.local.slots import AttentionKind, KVCacheKind, SlotModel, WeightLayout
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why"]
 
@@ -205,3 +206,39 @@ def test_a_slot_never_attends_past_its_own_length(loaded: LoadedModel, tmp_path:
         for layer in (*cache._keys, *cache._values):
             layer[0, :, len(short) + 1 :] = float("nan")
         assert torch.equal(cache.decode([0, 1], [first, other]), clean)
+
+
+@pytest.mark.parametrize("weights", ["packed", "bfloat16"])
+def test_independent_rows_says_what_a_step_does(loaded: LoadedModel, tmp_path: Path, weights: WeightLayout) -> None:
+    """Wherever the check says a step of ``rows`` slots gives each the bits of its step alone, it does."""
+    with torch.inference_mode():
+        prompts = [ids_of(loaded, PROMPTS[i % 3] + " x" * i) for i in range(6)]
+        together = SlotModel(
+            loaded.model, max_positions=512, weights=weights, attention="kernel", kernel_folder=tmp_path
+        )
+        independent = [rows for rows in range(1, 7) if together.independent_rows(rows)]
+        assert independent, "on this machine (oneDNN's prepacked products are row-independent here)"
+        for rows in independent:
+            firsts = [int(torch.argmax(together.prefill(s, p))) for s, p in enumerate(prompts[:rows])]
+            step = together.decode(list(range(rows)), firsts)
+            for s in range(rows):
+                alone = SlotModel(
+                    loaded.model, max_positions=512, weights=weights, attention="kernel", kernel_folder=tmp_path
+                )
+                alone.prefill(0, prompts[s])
+                assert torch.equal(alone.decode([0], [firsts[s]])[0], step[s]), (rows, s)
+
+
+def test_independent_rows_catches_a_product_that_depends_on_the_company(
+    loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = SlotModel(loaded.model, max_positions=512, weights="packed", attention="kernel", kernel_folder=tmp_path)
+    real = slots_module.project
+
+    def company_dependent(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return real(x, matrix, bias) * (1 + 1e-6 * (x.shape[0] - 1))  # another rounding from 2 rows on
+
+    monkeypatch.setattr(slots_module, "project", company_dependent)
+    with torch.inference_mode():
+        assert cache.independent_rows(1) and not cache.independent_rows(2)
+    assert not SlotModel(loaded.model, max_positions=512, attention="sdpa").independent_rows(1)

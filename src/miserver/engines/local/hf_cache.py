@@ -70,6 +70,10 @@ class HFSlots:
         """:meth:`prefill` of ``prompts[i]`` into ``slots[i]``, one after the other (transformers' prefill alone)."""
         return [self.prefill(slot, ids) for slot, ids in zip(slots, prompts, strict=True)]
 
+    def independent_rows(self, rows: int) -> bool:
+        """False: transformers' forward over a left-padded batch gives a row other bits than its step alone."""
+        return False
+
     def fork(self, src: int, dst: int) -> None:
         """``dst`` gets a copy of ``src``'s cache (the other samples of one prompt)."""
         self.release(dst)

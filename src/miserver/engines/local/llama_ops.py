@@ -5,7 +5,7 @@ row (a row's result never depends on the other rows of its tensor, given the sam
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -51,3 +51,27 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos[:, None, :]) + (rotated * sin[:, None, :])
+
+
+def rows_computed_alone(
+    ops: Callable[[torch.Tensor, torch.Tensor], Sequence[torch.Tensor]],
+    rows: int,
+    alone: list[tuple[torch.Tensor, ...]],
+    like: torch.Tensor,
+) -> bool:
+    """Whether ``ops`` (``(x [rows, width], positions [rows]) -> tensors [rows, ...]``) gives each of ``rows`` random
+    rows, together, the bits it gives that row alone: seeded rows (row ``i`` from seed ``i``; ``width``, dtype and
+    device those of the 1-D tensor ``like``) at positions ``0 .. rows - 1``, through ``ops`` at once and one by one.
+    ``alone`` caches the outputs of the rows alone between calls (row ``i`` at index ``i``)."""
+    width = like.shape[0]
+
+    def row(i: int) -> torch.Tensor:
+        values = torch.randn(1, width, generator=torch.Generator().manual_seed(i))
+        return values.to(dtype=like.dtype, device=like.device)
+
+    positions = torch.arange(rows, device=like.device)
+    while len(alone) < rows:
+        i = len(alone)
+        alone.append(tuple(t[0].clone() for t in ops(row(i), positions[i : i + 1])))
+    together = ops(torch.cat([row(i) for i in range(rows)]), positions)
+    return all(torch.equal(t[i], a) for i in range(rows) for t, a in zip(together, alone[i], strict=True))

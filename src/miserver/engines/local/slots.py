@@ -11,11 +11,12 @@ A prompt is prefilled either by this module's own forward over all its positions
 step's weights) or by transformers itself (``generate.prefill``: exactly the one-request prefill), its keys and
 values then copied into the slot. The forward is embedding, RMSNorm, rotary embedding, grouped-query attention over
 the static cache (in a decode step, the native kernel of ``attention.py`` over each slot's own columns, where it
-builds; else torch's fused attention over the longest slot's, masked), SwiGLU MLP, final norm and output head, each read from the transformers model at every step
-(weight edits on the resident model are seen at the next step). Its logits differ from transformers' in the last
-bits (another attention kernel; with bfloat16 weights, in the products' rounding too), so greedy tokens agree with
-transformers for typical prompts but not bit for bit; within one weight layout, a slot computes the same bits alone
-or beside others.
+builds; else torch's fused attention over the longest slot's, masked), SwiGLU MLP, final norm and output head, each
+read from the transformers model at every step (weight edits on the resident model are seen at the next step). Its
+logits differ from transformers' in the last bits (another attention kernel; with bfloat16 weights, in the products'
+rounding too), so greedy tokens agree with transformers for typical prompts but not bit for bit. Under the kernel a
+slot decoded beside others gets the bits of its step alone wherever :meth:`SlotModel.independent_rows` says so;
+under torch's attention, within rounding.
 
 Everything here is synchronous and runs under ``torch.inference_mode`` on the engine's thread.
 """
@@ -35,7 +36,7 @@ from transformers import PreTrainedModel
 
 from miserver.engines.local import attention as attention_kernel
 from miserver.engines.local.generate import prefill
-from miserver.engines.local.llama_ops import compile_forward, project, rms_norm, rotate
+from miserver.engines.local.llama_ops import compile_forward, project, rms_norm, rotate, rows_computed_alone
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,10 @@ class SlotModel:
         self._cos = (emb.cos() * rotary.attention_scaling).to(dtype)  # [max_positions, head_dim]
         self._sin = (emb.sin() * rotary.attention_scaling).to(dtype)
         self._lengths: dict[int, int] = {}
+        #: row count -> whether a decode step of that many rows gives each row its bits alone (checked once)
+        self._independent: dict[int, bool] = {}
+        #: the row-wise operations' outputs of each check row alone (see :func:`rows_computed_alone`)
+        self._alone_rows: list[tuple[torch.Tensor, ...]] = []
         self._capacity = min(INITIAL_CAPACITY, max_positions)
         self._slots = INITIAL_SLOTS
         self._keys = [self._empty(self._slots, self._capacity) for _ in range(self.layers)]
@@ -267,6 +272,41 @@ class SlotModel:
         if n > self.max_positions:
             raise ValueError(f"the prompt has {n} tokens; the context holds {self.max_positions}")
         return n
+
+    def independent_rows(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` slots gives each slot the bits of its step alone. It does under the
+        attention kernel (each row reads its own columns, in an order that never depends on the others) when every
+        row-wise operation of the forward does too: each product with the step's weights (the kernels a library
+        picks may depend on the row count), RMSNorm, rotary embedding, SwiGLU and the residual adds. Those are
+        checked once per row count on this machine (:func:`llama_ops.rows_computed_alone`, random rows through one
+        layer's operations and the output head); False under torch's attention."""
+        if self._kernel is None:
+            return False
+        if rows not in self._independent:
+            like = self._norm.weight  # [hidden], the model's dtype and device
+            self._independent[rows] = rows_computed_alone(self._row_ops, rows, self._alone_rows, like)
+            if not self._independent[rows]:
+                log.warning("a %d-row decode step changes a row's bits here: batch-invariant rows decode alone", rows)
+        return self._independent[rows]
+
+    def _row_ops(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The decode forward's row-wise operations on ``x`` (``[rows, hidden]``) at ``positions`` (``[rows]``),
+        with layer 0's weights and the output head in the decode step's layout: one layer without attention (whose
+        input stands in for the attention's output), then the final norm and the logits."""
+        layer = self._weights(self.weights)[0]
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+        b = x.shape[0]
+        cos, sin = self._cos[positions], self._sin[positions]
+        h = rms_norm(x, layer.norm_in, self.eps)
+        q = rotate(project(h, layer.q, layer.q_bias).view(b, self.heads, self.head_dim), cos, sin)
+        k = rotate(project(h, layer.k, layer.k_bias).view(b, self.kv_heads, self.head_dim), cos, sin)
+        v = project(h, layer.v, layer.v_bias).to(self.kv_dtype)
+        hidden = x + project(q.reshape(b, -1), layer.o, layer.o_bias)
+        h = rms_norm(hidden, layer.norm_post, self.eps)
+        hidden = hidden + project(F.silu(project(h, layer.gate, None)) * project(h, layer.up, None), layer.down, None)
+        last = rms_norm(hidden, self._norm.weight, self._norm_eps)
+        logits = project(last, self._matrix(head.weight, self.weights), head.bias).float()
+        return k.to(self.kv_dtype), v, logits
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s cache (nothing happens for an empty slot)."""

@@ -12,7 +12,8 @@ cache in ``hf_cache.HFSlots``, or the static slot cache of the fast forward in `
    copied into one more slot per further sample (``n``), and each sequence samples its first token;
 3. runs one decode step: every sequence of a request that may share (the default) in one forward pass, and each
    sequence of a batch-invariant request alone in its own (the single decode step: its result never depends on what
-   else runs);
+   else runs), or beside the others in that one pass where the cache gives each row the bits of its step alone
+   (``Slots.independent_rows``: the slot forward under its attention kernel, checked per row count);
 4. samples each sequence's next token with its own parameters and generator (:func:`advance`, the rules of
    ``generate.generate_sequence``) and retires the finished ones, freeing their slots.
 
@@ -41,6 +42,7 @@ class Slots(Protocol):
     def prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor: ...
     def prefill_many(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
+    def independent_rows(self, rows: int) -> bool: ...
     def fork(self, src: int, dst: int) -> None: ...
     def release(self, slot: int) -> None: ...
 
@@ -296,16 +298,21 @@ class StepBatch:
                 self._retire(seq)
 
     def _decode(self, going: list[Seq]) -> None:
-        """One decode step: the sequences that may share in one forward pass, each invariant one alone."""
-        shared = [s for s in going if not s.alone]
-        groups = [[s] for s in going if s.alone]
-        if shared:
-            groups.insert(0, shared)
+        """One decode step: every sequence in one forward pass when the cache gives each of that many rows the bits
+        of its step alone (``Slots.independent_rows``); otherwise the sequences that may share in one pass and each
+        invariant one alone. An invariant sequence never counts as shared: its bits are those of its step alone."""
+        if len(going) > 1 and any(s.alone for s in going) and self.cache.independent_rows(len(going)):
+            groups = [going]
+        else:
+            shared = [s for s in going if not s.alone]
+            groups = [[s] for s in going if s.alone]
+            if shared:
+                groups.insert(0, shared)
         for group in groups:
             logits = self.cache.decode([s.slot for s in group], [s.token for s in group])
             if len(group) > 1:
                 for seq in group:
-                    seq.shared = True
+                    seq.shared = seq.shared or not seq.alone
             for b, (seq, picked) in enumerate(zip(group, greedy_picks(group, logits), strict=True)):
                 if not advance(seq, logits[b], self.eos_ids, picked):
                     self._retire(seq)
