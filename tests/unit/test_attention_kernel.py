@@ -20,6 +20,7 @@ from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import make_slots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.slots import AttentionKind, KVCacheKind, SlotModel, WeightLayout
+from tests.support.slot_runs import greedy, ids_of
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why"]
 
@@ -130,20 +131,6 @@ def test_the_default_decode_step_uses_the_kernel_over_a_bfloat16_cache(loaded: L
     cache = make_slots(loaded.model, 512)
     assert isinstance(cache, SlotModel)
     assert (cache.attention, cache.kv_dtype) == ("kernel", torch.bfloat16)
-
-
-def greedy(cache: SlotModel, slot: int, ids: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
-    logits = cache.prefill(slot, ids)
-    tokens, seen = [], []
-    for _ in range(steps):
-        seen.append(logits)
-        tokens.append(int(torch.argmax(logits)))
-        logits = cache.decode([slot], [tokens[-1]])[0]
-    return tokens, torch.stack(seen)
-
-
-def ids_of(loaded: LoadedModel, text: str) -> torch.Tensor:
-    return torch.tensor(loaded.tokenizer(text)["input_ids"], dtype=torch.long)
 
 
 def slots(loaded: LoadedModel, attention_kind: AttentionKind, kv_cache: KVCacheKind, folder: Path) -> SlotModel:

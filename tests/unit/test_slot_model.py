@@ -20,6 +20,7 @@ from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.hf_cache import HFSlots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.slots import WEIGHT_LAYOUTS, SlotModel, WeightLayout, bfloat16_available, supported
+from tests.support.slot_runs import greedy, ids_of
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why", "a b c d e f g"]
 
@@ -28,21 +29,6 @@ PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sa
 def loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoadedModel]:
     with torch.inference_mode():
         yield load_model(resolve_model_source(str(tiny_model_dir), None), tmp_path_factory.mktemp("cache"), "cpu")
-
-
-def ids_of(loaded: LoadedModel, text: str) -> torch.Tensor:
-    return torch.tensor(loaded.tokenizer(text)["input_ids"], dtype=torch.long)
-
-
-def greedy(cache: SlotModel | HFSlots, slot: int, ids: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
-    """``steps`` greedy tokens from ``ids`` in ``slot``; the tokens and the stacked logits ``[steps, vocab]``."""
-    logits = cache.prefill(slot, ids)
-    tokens, seen = [], []
-    for _ in range(steps):
-        seen.append(logits)
-        tokens.append(int(torch.argmax(logits)))
-        logits = cache.decode([slot], [tokens[-1]])[0]
-    return tokens, torch.stack(seen)
 
 
 #: The layouts that multiply in the model's own dtype (float32 here).
