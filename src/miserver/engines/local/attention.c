@@ -21,15 +21,15 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define MAX_GROUP 16
 #define LANES 16
 
-/* 16 floats, loaded and stored at any float alignment (the compiler lowers it to the machine's vectors) */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+/* 16 floats, loaded and stored at any float alignment and through any float pointer (the compiler lowers it to
+   the machine's vectors) */
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t h16 __attribute__((vector_size(32), aligned(2), may_alias));
 
 static inline __attribute__((always_inline)) v16 load(const void *base, int64_t at, const int bf16) {
     /* 16 cache elements from element ``at``, as floats (a bfloat16 is a float's upper 16 bits) */

@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wno-psabi")
 #: the query group a task holds (``heads / kv_heads``), as ``MAX_GROUP`` in the C source
 MAX_GROUP = 16
 #: head_dim must be a multiple of this
