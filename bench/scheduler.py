@@ -2,20 +2,23 @@
 
 1. Eight 32-token greedy chats one after another (their median alone and their sum), then the same 8 sent at once,
    and 16 at once (wall and slowest): goal for 8, wall <= 2x one alone.
-2. A 32-row ``pack: true`` generation batch (``max_tokens`` 96) alone, then again with 12 short chats (``max_tokens``
-   8) sent at random moments while it runs: the chats' p50/p95 against the same chats on an idle server, and the
-   batch's rows/s with and without the chats. Goals: p95 while the batch runs <= 1.2x idle p95; the batch keeps
-   >= 0.9x its rows/s. The two batch runs alternate with the idle chats (idle, batch, batch + chats, idle).
+2. A 32-row (``--rows``) ``pack: true`` generation batch (``max_tokens`` 96) alone, then again with 12 (``--chats``)
+   short chats (``max_tokens`` 8) sent at random moments while it runs: the chats' p50/p95 against the same chats on
+   an idle server, and the batch's rows/s with and without the chats. Goals: p95 while the batch runs <= 1.2x idle
+   p95; the batch keeps >= 0.9x its rows/s. The two batch runs alternate with the idle chats (idle, batch, batch +
+   chats, idle).
 3. A client that sends a 300-token chat and hangs up after its first tokens, then a 1-token chat: its latency
    against a 1-token chat on an idle server (goal: within idle + one decode step).
 
 The load average is printed beside each part. Results: ``bench/results/scheduler.json``.
 
     .venv/bin/python bench/scheduler.py
+    .venv/bin/python bench/scheduler.py --rows 96 --chats 36     # a longer batch: steadier rows/s ratios
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -134,6 +137,11 @@ def hang_up(server: ServerProcess, max_tokens: int) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=32, help="rows of the packed generation batch")
+    parser.add_argument("--chats", type=int, default=12, help="short chats sent while it runs")
+    args = parser.parse_args()
+    rows, chats = args.rows, args.chats
     rng = random.Random(7)
     report: dict[str, Any] = {"date": datetime.date.today().isoformat()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,16 +172,17 @@ def main() -> None:
                 f"{wall8:.2f} s (slowest {slow8:.2f}, {wall8 / alone:.2f}x the median alone, {wall8 / serial:.2f}x one "
                 f"after another); 16 at once wall {wall16:.2f} s (slowest {slow16:.2f}); load {load()}"
             )
-            data = batch_lines(32)
+            data = batch_lines(rows)
             idle_a = [chat(client, i, 8) for i in range(12)]
             plain_s, _ = run_batch(client, data, 0, rng)
-            mixed_s, busy = run_batch(client, data, 12, rng)
+            mixed_s, busy = run_batch(client, data, chats, rng)
             idle_b = [chat(client, i, 8) for i in range(12)]
             idle = idle_a + idle_b
             report["packed_batch"] = {
-                "rows": 32,
-                "rows_s_alone": round(32 / plain_s, 3),
-                "rows_s_with_chats": round(32 / mixed_s, 3),
+                "rows": rows,
+                "chats": chats,
+                "rows_s_alone": round(rows / plain_s, 3),
+                "rows_s_with_chats": round(rows / mixed_s, 3),
                 "rows_s_ratio": round(plain_s / mixed_s, 3),
                 "idle_p50_s": round(statistics.median(idle), 3),
                 "idle_p95_s": round(percentile(idle, 0.95), 3),
@@ -184,7 +193,8 @@ def main() -> None:
             }
             b = report["packed_batch"]
             print(
-                f"packed 32-row batch: {b['rows_s_alone']} rows/s alone, {b['rows_s_with_chats']} with 12 chats "
+                f"packed {rows}-row batch: {b['rows_s_alone']} rows/s alone, {b['rows_s_with_chats']} with {chats} "
+                "chats "
                 f"(x{b['rows_s_ratio']}); chats p50/p95 idle {b['idle_p50_s']}/{b['idle_p95_s']} s, during the batch "
                 f"{b['busy_p50_s']}/{b['busy_p95_s']} s (p95 x{b['p95_ratio']}); load {load()}"
             )
