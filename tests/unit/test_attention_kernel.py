@@ -19,7 +19,8 @@ from miserver.engines.local import attention
 from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import make_slots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slots import AttentionKind, KVCacheKind, SlotModel, WeightLayout
+from miserver.engines.local.slot_weights import WeightLayout
+from miserver.engines.local.slots import AttentionKind, KVCacheKind, SlotModel
 from tests.support.slot_runs import greedy, ids_of
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why"]

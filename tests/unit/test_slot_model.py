@@ -19,7 +19,8 @@ from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.hf_cache import HFSlots
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slots import WEIGHT_LAYOUTS, SlotModel, WeightLayout, bfloat16_available, supported
+from miserver.engines.local.slot_weights import WEIGHT_LAYOUTS, WeightLayout, bfloat16_available
+from miserver.engines.local.slots import SlotModel, supported
 from tests.support.slot_runs import greedy, ids_of
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why", "a b c d e f g"]

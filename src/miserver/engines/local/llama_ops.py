@@ -24,7 +24,8 @@ def compile_forward(forward: Callable[..., torch.Tensor]) -> Callable[..., torch
 
 def project(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one; a oneDNN
-    ``matrix`` is the ``[out, in]`` weight prepacked (``slots.SlotModel._matrix``), multiplied by oneDNN's linear."""
+    ``matrix`` is the ``[out, in]`` weight prepacked (``slot_weights.WeightCopies.matrix``), multiplied by oneDNN's
+    linear."""
     if matrix.is_mkldnn:
         if matrix.dtype == x.dtype:
             y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, bias, "none", [], "")

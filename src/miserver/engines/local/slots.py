@@ -26,9 +26,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -37,6 +36,13 @@ from transformers import PreTrainedModel
 from miserver.engines.local import attention as attention_kernel
 from miserver.engines.local.generate import prefill
 from miserver.engines.local.llama_ops import compile_forward, project, rms_norm, rotate, rows_computed_alone
+from miserver.engines.local.slot_weights import (
+    Layer,
+    WeightCopies,
+    WeightLayout,
+    bfloat16_available,
+    packing_available,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,47 +70,10 @@ def supported(model: PreTrainedModel) -> bool:
     )
 
 
-#: How the slot forward holds the projection weights and the output head (see :class:`SlotModel`).
-WeightLayout = Literal["bfloat16", "packed", "transposed", "view"]
-WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = get_args(WeightLayout)
 #: How the decode step attends (see :class:`SlotModel`).
 AttentionKind = Literal["kernel", "sdpa"]
 #: The dtype of the KV cache (see :class:`SlotModel`).
 KVCacheKind = Literal["model", "bfloat16"]
-
-
-def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN can hold prepacked weights for ``device`` and ``dtype``: a CPU build of torch with oneDNN
-    (mkldnn), float32 or bfloat16."""
-    onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]  # unannotated in torch
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn
-
-
-def bfloat16_available() -> bool:
-    """Whether this CPU runs oneDNN's bfloat16 products natively (AVX512-BF16 or AMX)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """One decoder layer's tensors. A projection is what :func:`_project` takes: an ``[in, out]`` matrix (``x @
-    m``: a transposed view of the model's own ``[out, in]`` weight, or a contiguous copy of it), or a oneDNN tensor
-    prepacked from the ``[out, in]`` weight; biases are None when the model has none. Norm weights are the model's
-    own."""
-
-    norm_in: torch.Tensor
-    q: torch.Tensor
-    q_bias: torch.Tensor | None
-    k: torch.Tensor
-    k_bias: torch.Tensor | None
-    v: torch.Tensor
-    v_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    norm_post: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
 
 
 class SlotModel:
@@ -162,8 +131,8 @@ class SlotModel:
         self._compiled: Callable[..., torch.Tensor] | None = None
         if compile:
             self._compiled = compile_forward(self._forward)
-        # (id(param), layout) -> (data_ptr, version, copy)
-        self._copies: dict[tuple[int, WeightLayout], tuple[int, int, torch.Tensor]] = {}
+        #: the weights in each layout (see ``slot_weights``)
+        self._copies = WeightCopies(model)
         device, dtype = model.device, model.dtype
         self.device, self.dtype = device, dtype
         asked = weights
@@ -293,7 +262,7 @@ class SlotModel:
         """The decode forward's row-wise operations on ``x`` (``[rows, hidden]``) at ``positions`` (``[rows]``),
         with layer 0's weights and the output head in the decode step's layout: one layer without attention (whose
         input stands in for the attention's output), then the final norm and the logits."""
-        layer = self._weights(self.weights)[0]
+        layer = self._copies.layers(self.weights)[0]
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         b = x.shape[0]
         cos, sin = self._cos[positions], self._sin[positions]
@@ -305,7 +274,7 @@ class SlotModel:
         h = rms_norm(hidden, layer.norm_post, self.eps)
         hidden = hidden + project(F.silu(project(h, layer.gate, None)) * project(h, layer.up, None), layer.down, None)
         last = rms_norm(hidden, self._norm.weight, self._norm_eps)
-        logits = project(last, self._matrix(head.weight, self.weights), head.bias).float()
+        logits = project(last, self._copies.matrix(head.weight, self.weights), head.bias).float()
         return k.to(self.kv_dtype), v, logits
 
     def release(self, slot: int) -> None:
@@ -342,7 +311,7 @@ class SlotModel:
         seen = torch.ones(rows, dtype=torch.long, device=device)
         seen[slot_t - lo] = pos_t + 1
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        layers, matrix = self._weights(self.weights), self._matrix(head.weight, self.weights)
+        layers, matrix = self._copies.layers(self.weights), self._copies.matrix(head.weight, self.weights)
         args = (tokens_t, slot_t, pos_t, seen, lo, max(lengths) + 1, layers, matrix)
         if self._compiled is not None:
             try:
@@ -360,7 +329,7 @@ class SlotModel:
         seen: torch.Tensor,
         lo: int,
         width: int,
-        layers: list[_Layer],
+        layers: list[Layer],
         head: torch.Tensor,
         head_bias: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -403,7 +372,7 @@ class SlotModel:
         positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
         hidden = self._embed(ids)  # [N, hidden]
         cos, sin = self._cos[positions], self._sin[positions]
-        for i, layer in enumerate(self._weights(self.prefill_weights)):
+        for i, layer in enumerate(self._copies.layers(self.prefill_weights)):
             x = rms_norm(hidden, layer.norm_in, self.eps)
             q = project(x, layer.q, layer.q_bias).view(rows, self.heads, self.head_dim)
             k = project(x, layer.k, layer.k_bias).view(rows, self.kv_heads, self.head_dim)
@@ -427,7 +396,7 @@ class SlotModel:
         ends = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
         last = rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        return list(project(last, self._matrix(head.weight, self.prefill_weights), head.bias).float())
+        return list(project(last, self._copies.matrix(head.weight, self.prefill_weights), head.bias).float())
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
@@ -448,54 +417,6 @@ class SlotModel:
         table = self.model.get_input_embeddings().weight
         assert isinstance(table, torch.Tensor)
         return F.embedding(tokens, table)
-
-    def _weights(self, layout: WeightLayout) -> list[_Layer]:
-        """Each layer's tensors in ``layout``, read from the model now (weight edits replace or change them in
-        place)."""
-
-        def m(weight: torch.Tensor) -> torch.Tensor:
-            return self._matrix(weight, layout)
-
-        out = []
-        for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            out.append(
-                _Layer(
-                    layer.input_layernorm.weight,
-                    m(attn.q_proj.weight),
-                    attn.q_proj.bias,
-                    m(attn.k_proj.weight),
-                    attn.k_proj.bias,
-                    m(attn.v_proj.weight),
-                    attn.v_proj.bias,
-                    m(attn.o_proj.weight),
-                    attn.o_proj.bias,
-                    layer.post_attention_layernorm.weight,
-                    m(mlp.gate_proj.weight),
-                    m(mlp.up_proj.weight),
-                    m(mlp.down_proj.weight),
-                )
-            )
-        return out
-
-    def _matrix(self, weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
-        """What :func:`_project` multiplies by for the ``[out, in]`` ``weight`` (see ``weights``): its transposed
-        view, or a copy (contiguous ``[in, out]``, or prepacked for oneDNN) remade when the parameter's storage or
-        version changed since it was made."""
-        if layout == "view" or weight.is_inference():  # an inference tensor keeps no version to watch
-            return weight.t()
-        key = (id(weight), layout)
-        seen = self._copies.get(key)
-        if seen is None or seen[0] != weight.data_ptr() or seen[1] != weight._version:
-            if layout == "packed":
-                copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            elif layout == "bfloat16":
-                copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16))
-            else:
-                copy = weight.detach().t().contiguous()
-            seen = (weight.data_ptr(), weight._version, copy)
-            self._copies[key] = seen
-        return seen[2]
 
     # --- the cache --------------------------------------------------------------------------------------------------
 
