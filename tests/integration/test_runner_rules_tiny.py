@@ -20,7 +20,7 @@ from miserver.clock import now, now_ms
 from miserver.engines.base import GenerationRequest, PoolRequest
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import LoadedModel
-from miserver.scheduling.admission import AdmissionGate
+from miserver.scheduling.admission import AdmissionGate, Priority
 from miserver.services.inference.context import ServiceContext
 from miserver.settings import Settings
 from miserver.store import Store
@@ -34,10 +34,11 @@ ENDPOINT = "/v1/chat/completions"
 TOPICS = ["the sea", "a cat", "the moon", "bread", "rain"]
 
 
-def runner_for(store: Store, engine: LocalEngine, **overrides: Any) -> BatchRunner:
+def runner_for(store: Store, engine: LocalEngine, gate: int = 1, **overrides: Any) -> BatchRunner:
+    """A runner on ``engine`` behind an admission gate of ``gate`` slots (the server's is ``MAX_SEQUENCES + 1``)."""
     values: dict[str, Any] = {"batch_chunk_rows": 2, "batch_chunk_seconds": 3600.0, "batch_poll_seconds": 0.05}
     values.update(overrides)
-    ctx = ServiceContext(engine=engine, gate=AdmissionGate(1), rng=random.Random(0), store=store)
+    ctx = ServiceContext(engine=engine, gate=AdmissionGate(gate), rng=random.Random(0), store=store)
     return BatchRunner(store, ctx, Settings(**values), worker_id="w1")
 
 
@@ -204,3 +205,48 @@ async def test_a_taken_over_claim_cannot_record(engine: LocalEngine, store: Stor
     assert Counter(ran.prompts)[ran.prompts[0]] == 2 and len(ran.prompts) == 4, "row 1 ran again, under the claim"
     lines = await output_lines(store, done)
     assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2"], "one line per row"
+
+
+async def until(condition: Any, what: str, timeout: float = 30.0) -> None:
+    """Wait (on the event loop) until ``condition()`` is true; ``AssertionError`` naming ``what`` after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not condition():
+        assert loop.time() < end, f"timed out waiting until {what}"
+        await asyncio.sleep(0.005)
+
+
+async def test_the_next_window_starts_beside_the_rows_in_flight_past_the_time_bound(
+    engine: LocalEngine, store: Store
+) -> None:
+    """A packed batch in windows of two rows whose time bound is spent as soon as their rows start: the runner's
+    step returns once the first window takes no further row, and the second window's rows are admitted while the
+    first window's long row still decodes (the engine's batch slots stay full across the boundary). Every row runs
+    and is recorded once."""
+    settings = {"batch_pack_window_rows": 2, "batch_chunk_seconds": 1e-9, "batch_generate_slots": 4}
+    runner = runner_for(store, engine, gate=Settings().max_sequences + 1, **settings)
+    batch = await create_batch(store, chat_lines([200, 2, 3, 3]), pack=True)
+    assert await runner.validator.run(batch)
+    with Executions(engine, hold_at=1) as ran:
+        record = engine.on_execute
+        assert record is not None
+        in_flight: list[int] = []  # sequences in flight as each row is admitted (itself included)
+
+        def admitted(request: GenerationRequest | PoolRequest) -> None:
+            in_flight.append(engine.scheduler.in_flight)
+            record(request)
+
+        engine.on_execute = admitted
+        await asyncio.wait_for(runner.step(), 30)  # returns at window 1's time bound
+        await ran.held()  # window 1's rows 0 and 1 were admitted in one step; the engine thread is then held
+        assert runner.resident.running(batch.id), "window 1 finishes in the background"
+        next_window = asyncio.create_task(runner.step())
+        await until(lambda: engine.scheduler.waiting(Priority.BATCH) == 2, "window 2's rows wait for the next step")
+        assert len(ran.prompts) == 2
+        await ran.release()
+        await asyncio.wait_for(next_window, 60)
+        assert len(in_flight) == 4 and in_flight[2] >= 2, f"row 2 started beside row 0 ({in_flight})"
+        await settle(runner, batch_ids=[batch.id])
+    done = await get(store, batch.id)
+    assert (done.status, done.completed, done.failed) == ("completed", 4, 0)
+    assert len(ran.prompts) == 4 and set(Counter(ran.prompts).values()) == {1}, "each row's prompt ran exactly once"

@@ -8,6 +8,8 @@ batch's fair share in the database, and the release takes back the rows it gives
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import time
 
@@ -27,14 +29,45 @@ from .run_state import RunState, finalize_if_recorded
 
 class ResidentRuns:
     """The resident chunks of one runner. ``last_chunk_rows`` and ``last_chunk_seconds``: rows recorded by, and
-    seconds of, the last chunk (the batch share reads them)."""
+    seconds of, the last chunk (the batch share reads them).
+
+    A chunk that has run for its time bound (``BATCH_CHUNK_SECONDS``) starts no further row once it recorded one,
+    while its rows in flight finish; with ``overlap`` (:meth:`claim_and_run`) it finishes in the background from
+    then on, so that the batch's next chunk starts its rows beside them and the engine's batch slots stay full
+    across the boundary. At most one chunk finishes so at a time, and only the next chunk of its own batch starts
+    beside it (another batch's waits until it ended)."""
 
     def __init__(self, state: RunState) -> None:
         self.state = state
         self.last_chunk_rows = 0
         self.last_chunk_seconds = 0.0
+        #: (batch id, task) of the chunk past its time bound whose rows in flight still run, or None
+        self._draining: tuple[str, asyncio.Task[None]] | None = None
+        #: when the last chunk ended (monotonic seconds): a chunk's measured time starts no earlier
+        self._last_end = float("-inf")
 
-    async def claim_and_run(self, batch: BatchRecord, ready: Readiness) -> bool:
+    def running(self, batch_id: str) -> bool:
+        """Whether a chunk of the batch still finishes its rows here in the background (its finish waits)."""
+        return self._draining is not None and self._draining[0] == batch_id and not self._draining[1].done()
+
+    async def settle(self, keep: str | None = None) -> None:
+        """Wait until the chunk finishing in the background (if any, and unless it is a running chunk of batch
+        ``keep``) has ended; re-raises what it raised (a store fault, as a chunk run in the foreground does)."""
+        if self._draining is None or self.running(keep or ""):
+            return
+        task = self._draining[1]
+        try:
+            await task
+        finally:
+            if self._draining is not None and self._draining[1] is task:
+                self._draining = None
+
+    async def claim_and_run(self, batch: BatchRecord, ready: Readiness, *, overlap: bool = False) -> bool:
+        """Claim a chunk of ``batch`` (a packing window for a packed batch) and run it; False when none was
+        claimable and the batch is not finished (another worker, or a chunk of this one, holds its rows). Returns
+        once the chunk ended, or with ``overlap`` once it is past its time bound (it then finishes in the
+        background; see the class)."""
+        await self.settle(keep=batch.id if overlap else None)
         token = secrets.token_hex(16)
         owner = store_fair.owner_key(batch.owner_key_id, batch.id)
         async with self.state.store.tx() as conn:
@@ -51,10 +84,37 @@ class ResidentRuns:
             if claimed:  # ShareNotKept (the batch left in_progress under the plan) rolls the claim back
                 await store_fair.charge(conn, owner=owner, batch_id=batch.id, rows=len(claimed))
             elif not await finalize_if_recorded(conn, batch.id):
-                return False  # another worker holds the remaining rows
+                return False  # another worker (or this one's finishing chunk) holds the remaining rows
         if not claimed:
             self.state.on_change(batch.id)
             return True
+        run = asyncio.create_task(self._run(batch, token, owner, claimed, ready), name=f"miserver-chunk-{batch.id}")
+        try:
+            if overlap:
+                await asyncio.wait({run}, timeout=self.state.settings.batch_chunk_seconds)
+                if not run.done():  # past its time bound: the next chunk of the batch may start beside it
+                    await self.settle()
+                    self._draining = (batch.id, run)
+                    run.add_done_callback(lambda _task: self.state.wake())
+                    return True
+            await run
+        except asyncio.CancelledError:
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+            raise
+        return True
+
+    async def _run(
+        self,
+        batch: BatchRecord,
+        token: str,
+        owner: str,
+        claimed: list[store_rows.ClaimedRow],
+        ready: Readiness,
+    ) -> None:
+        """Run the claimed chunk under a batch slot and its heartbeat, then release the claim (the rows not recorded
+        go back to pending, uncharged)."""
         try:
             async with (
                 self.state.ctx.gate.hold(Priority.BATCH) as slot,
@@ -63,26 +123,33 @@ class ResidentRuns:
                 if not self._model_resident(batch):
                     # the model was unloaded or swapped while this chunk waited for the slot: run nothing
                     await self.state.set_waiting(batch, "model_not_resident", None)
-                    return True
+                    return
                 blocked = weights_block(self.state.ctx, batch)
                 if blocked is not None:
                     # a weight write or commit happened while this chunk waited for the slot: run nothing
                     await self.state.set_waiting(batch, blocked, None)
-                    return True
+                    return
                 await self.state.set_waiting(batch, None, ready.holder)
                 started = time.monotonic()
                 with accounts.acting_as(accounts.owner_principal(batch.owner_key_id)):
                     report = await self._chunk(batch, token, claimed, slot, ready)
-                await self._measured(batch, report, time.monotonic() - started)
+                end = time.monotonic()
+                seconds = end - max(started, self._last_end)  # a chunk that overlapped the last one counts from its end
+                self._last_end = end
+                await self._measured(batch, report, seconds)
         finally:
             async with self.state.store.tx() as conn:
                 released = await store_rows.release_claim(conn, batch_id=batch.id, token=token)
                 if released:
                     await store_fair.give_back(conn, owner=owner, batch_id=batch.id, rows=released)
-        return True
 
     async def _chunk(
-        self, batch: BatchRecord, token: str, claimed: list[store_rows.ClaimedRow], slot: Slot, ready: Readiness
+        self,
+        batch: BatchRecord,
+        token: str,
+        claimed: list[store_rows.ClaimedRow],
+        slot: Slot,
+        ready: Readiness,
     ) -> chunks.ChunkReport:
         """One chunk of ``batch``'s claimed rows through the one row loop, billed to its owner at its prices."""
         return await chunks.run_chunk(

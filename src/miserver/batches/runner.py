@@ -96,7 +96,8 @@ class BatchRunner:
         self.clock: Callable[[], float] = lambda: now_ms() / 1000
         self._interactive_seen: tuple[int, float] = (0, float("-inf"))
         self._halt = asyncio.Event()
-        #: Chunks of batches on the resident model, one at a time (their last chunk feeds the batch share).
+        #: Chunks of batches on the resident model, one at a time, or the next of a batch beside its last one past
+        #: its time bound (their last chunk feeds the batch share).
         self.resident = ResidentRuns(self.state)
 
     def wake(self) -> None:
@@ -132,6 +133,10 @@ class BatchRunner:
                         await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_seconds)
         finally:
             await self.upstream.drain()
+            try:
+                await self.resident.settle()  # a chunk finishing in the background records its rows in flight
+            except Exception:
+                log.exception("a resident chunk failed while the runner stopped")
             tasks = [quick, *self._validations.values()]
             for task in tasks:
                 task.cancel()
@@ -201,7 +206,7 @@ class BatchRunner:
             batch = by_id[batch_id]
             if batch_id in upstream:
                 continue
-            if await self._advance_running(batch, take_over=True):  # its claim charged its fair share
+            if await self._advance_running(batch, take_over=True, overlap=True):  # its claim charged its share
                 for other in decision.order:
                     if other != batch_id and other in decision.queued:
                         await self.state.set_waiting(by_id[other], "queued", None)
@@ -245,7 +250,7 @@ class BatchRunner:
         async with self.store.tx() as conn:
             active = await store_batches.active_batches(conn)
         for batch in active:
-            if batch.status not in QUICK_STATUSES or batch.id == self._chunk_batch:
+            if batch.status not in QUICK_STATUSES or self._chunk_runs(batch.id):
                 continue
             try:
                 await self.advance(batch.id, only=QUICK_STATUSES)
@@ -262,7 +267,7 @@ class BatchRunner:
             batch = await store_batches.get_batch(conn, batch_id)
         if batch is None or batch.terminal:
             return False
-        if only is not None and (batch.status not in only or batch.id == self._chunk_batch):
+        if only is not None and (batch.status not in only or self._chunk_runs(batch.id)):
             return False  # a quick step only, never beside this process's own chunk of the batch
         if batch.status == "validating":
             if batch.id not in self._validations:
@@ -284,10 +289,12 @@ class BatchRunner:
             return await self._advance_running(batch)
         return False
 
-    async def _advance_running(self, batch: BatchRecord, *, take_over: bool = False) -> bool:
+    async def _advance_running(self, batch: BatchRecord, *, take_over: bool = False, overlap: bool = False) -> bool:
         """An ``in_progress`` batch's step: expire it, or run one chunk when it is ready (else store why it waits).
         ``take_over``: the scheduler picked it, so it takes the model lease from another batch that holds it between
-        chunks (fair share)."""
+        chunks (fair share); ``overlap``: a resident chunk returns once past its time bound and finishes in the
+        background (:meth:`ResidentRuns.claim_and_run`)."""
+        await self.resident.settle(keep=batch.id)  # another batch's chunk finishing in the background ends first
         if now() >= batch.expires_at:
             return await self._finish(batch, "expired", "batch_expired")
         if batch.paused_at is not None:
@@ -311,7 +318,7 @@ class BatchRunner:
         if ready.waiting_reason is not None:
             await self.state.set_waiting(batch, ready.waiting_reason, None)
             return False
-        return await self._run_chunk(batch, ready)
+        return await self._run_chunk(batch, ready, overlap)
 
     async def _account_hold(self, batch: BatchRecord) -> bool | None:
         """The owner key's say before each chunk, from a fresh read of the key: None to go on; else the
@@ -382,12 +389,17 @@ class BatchRunner:
 
     # -- running ----------------------------------------------------------------------------------------------
 
-    async def _run_chunk(self, batch: BatchRecord, ready: Readiness) -> bool:
+    async def _run_chunk(self, batch: BatchRecord, ready: Readiness, overlap: bool) -> bool:
         self._chunk_batch = batch.id
         try:
-            return await self.resident.claim_and_run(batch, ready)
+            return await self.resident.claim_and_run(batch, ready, overlap=overlap)
         finally:
             self._chunk_batch = None
+
+    def _chunk_runs(self, batch_id: str) -> bool:
+        """Whether a resident chunk of the batch runs in this process now (in the foreground or finishing in the
+        background)."""
+        return batch_id == self._chunk_batch or self.resident.running(batch_id)
 
     # -- finishing --------------------------------------------------------------------------------------------
 
@@ -396,8 +408,8 @@ class BatchRunner:
     ) -> bool:
         """Write ``batch``'s files and move it to ``to`` (``failed`` here only from ``in_progress``: the owner's key
         stopped it, with ``errors``)."""
-        if self.upstream.running(batch.id):
-            return False  # its upstream chunks finish (and record) what is in flight first
+        if self.upstream.running(batch.id) or self.resident.running(batch.id):
+            return False  # its chunks finish (and record) what is in flight first; their end wakes the loop
         allowed = {"completed": ("finalizing",), "failed": ("in_progress",)}.get(to) or states.sources(to)
         try:
             async with self.store.tx() as conn:
