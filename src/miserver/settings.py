@@ -138,7 +138,8 @@ class Settings(BaseSettings):
         5.0,
         validation_alias=_env("BATCH_CHUNK_SECONDS"),
         gt=0,
-        description="a chunk stops taking rows once it has held the slot this long",
+        description="the runner plans again once a chunk has run this long: the batch's next chunk starts beside "
+        "it, or, before another batch's chunk starts, it takes no further row and finishes its rows in flight",
     )
     batch_pack_window_rows: int = Field(
         64,

@@ -247,6 +247,31 @@ async def test_the_time_bound_ends_a_chunk_after_its_first_row(store: Store) -> 
     assert len(fake(runner).executed) == 1, "a chunk always makes progress, then its time bound ends it"
 
 
+async def test_past_its_time_bound_a_chunk_goes_on_until_another_batch_takes_the_engine(store: Store) -> None:
+    """A chunk run by the runner's loop hands the engine back to the plan at its time bound and goes on in the
+    background; when the plan picks another batch, it is closed first: its row in flight finishes and is recorded,
+    its other rows go back to pending, and only then does the other batch run."""
+    runner = runner_for(store, batch_chunk_rows=5, batch_chunk_seconds=1e-9)
+    engine = fake(runner)
+    batches = [await create_batch(store, input_lines("aa", 5)), await create_batch(store, input_lines("bbb", 5))]
+    for batch in batches:
+        assert await runner.validator.run(batch)
+    engine.hold.clear()
+    await asyncio.wait_for(runner.step(), 10)  # returns at the time bound, the chunk's first row inside the engine
+    await engine.entered.wait()
+    first = next(b for b in batches if b.id == runner.resident.background())
+    other = next(b for b in batches if b is not first)
+    taking = asyncio.create_task(runner.step())  # fair share picks the other batch: the background chunk closes
+    await until(runner.resident.closed, what="the background chunk closed")
+    engine.hold.set()
+    await taking
+    await runner.resident.settle()  # the other batch's chunk, past its time bound in turn, closes after its row
+    word = {batches[0].id: 2, batches[1].id: 3}  # each row's first token: its prefix's length
+    assert [row[0] for row in engine.executed] == [word[first.id], word[other.id]], "one row each, in that order"
+    assert [r.state for r in await rows_of(store, first.id)] == ["done"] + ["pending"] * 4
+    assert runner.resident.background() is None
+
+
 async def test_waiting_reasons(store: Store) -> None:
     runner = runner_for(store)
     batch = await create_batch(store, input_lines("w", 2))

@@ -29,6 +29,7 @@ from miserver.store import rows as sr
 from miserver.store.batches import BatchRecord
 from tests.integration.test_runner_rules import get, output_lines, rows_of, settle
 from tests.support.stored import stored_batch
+from tests.support.waiting import until
 
 ENDPOINT = "/v1/chat/completions"
 TOPICS = ["the sea", "a cat", "the moon", "bread", "rain"]
@@ -207,15 +208,6 @@ async def test_a_taken_over_claim_cannot_record(engine: LocalEngine, store: Stor
     assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2"], "one line per row"
 
 
-async def until(condition: Any, what: str, timeout: float = 30.0) -> None:
-    """Wait (on the event loop) until ``condition()`` is true; ``AssertionError`` naming ``what`` after ``timeout``."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not condition():
-        assert loop.time() < end, f"timed out waiting until {what}"
-        await asyncio.sleep(0.005)
-
-
 async def test_the_next_window_starts_beside_the_rows_in_flight_past_the_time_bound(
     engine: LocalEngine, store: Store
 ) -> None:
@@ -241,7 +233,7 @@ async def test_the_next_window_starts_beside_the_rows_in_flight_past_the_time_bo
         await ran.held()  # window 1's rows 0 and 1 were admitted in one step; the engine thread is then held
         assert runner.resident.running(batch.id), "window 1 finishes in the background"
         next_window = asyncio.create_task(runner.step())
-        await until(lambda: engine.scheduler.waiting(Priority.BATCH) == 2, "window 2's rows wait for the next step")
+        await until(lambda: engine.scheduler.waiting(Priority.BATCH), lambda n: n == 2, what="window 2's rows queued")
         assert len(ran.prompts) == 2
         await ran.release()
         await asyncio.wait_for(next_window, 60)

@@ -13,12 +13,13 @@ Every batch row, packed or not, whatever the endpoint, passes through :func:`run
 3. the rules that end a chunk early live once, in the ``should_stop`` the service asks before each row or pack:
    the runner is stopping, a cancel or a pause arrived (read in the transaction of every record), the claim was
    lost, the balance ran out or the batch expired; and, once at least one row was recorded (a chunk always makes
-   progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is spent. A waiting interactive request ends nothing:
+   progress), the chunk's time bound (``BATCH_CHUNK_SECONDS``) is spent or the runner closed the chunk (a chunk the
+   runner lets go on past its bound: ``resident_runs.ResidentRuns``). A waiting interactive request ends nothing:
    the engine's step scheduler starts it at the next decode step beside the rows in flight. A row or pack that
    already started always finishes and is recorded. Batched generation keeps many rows in flight and asks before
-   every decode step: all rules but the time bound (``Call.interrupt``) end it at once, dropping its rows in flight
-   unrecorded (they stay pending); the time bound only stops new rows from starting while the rows in flight
-   finish.
+   every decode step: all rules but the time bound and the close (``Call.interrupt``) end it at once, dropping its
+   rows in flight unrecorded (they stay pending); those two only stop new rows from starting while the rows in
+   flight finish.
 
 Rows left unrecorded stay pending; the caller releases the claim. Because the loop only consumes an async iterator of
 outcomes, an executor that keeps several requests in flight (an upstream pool, batched generation) plugs into the
@@ -183,11 +184,14 @@ async def run_chunk(
     prices: dict[str, list[int]] | None = None,
     deadline: float | None = None,
     read_ahead: bool = False,
+    closed: Callable[[], bool] | None = None,
 ) -> ChunkReport:
     """Run ``rows`` (claimed under ``token``) while holding ``slot`` (None: each row or pack takes the admission gate
     itself), recording each as it finishes. ``endpoint`` (the batch's) picks the error body's dialect.
 
-    ``time_limit`` is the chunk's time bound in seconds; ``stopping()`` answers true once the runner stops;
+    ``time_limit`` is the chunk's time bound in seconds, and ``closed()`` (when given) answers true once the runner
+    closes the chunk: either ends it as its time bound does (no new row starts; the rows in flight finish and are
+    recorded); ``stopping()`` answers true once the runner stops;
     ``deadline`` (Unix seconds, the batch's ``expires_at``) is when rows stop: upstream rows are no longer retried and
     rows in flight on the resident engine leave at its next step; ``read_ahead``: the
     service's rows run concurrently (upstream pools), so outcomes that finish close together are recorded in one
@@ -208,7 +212,7 @@ async def run_chunk(
         return deadline is not None and now() >= deadline
 
     def time_up() -> bool:
-        return time.monotonic() - started > time_limit
+        return time.monotonic() - started > time_limit or (closed is not None and closed())
 
     def should_stop() -> bool:  # and the time bound: no new row or pack starts (rows in flight finish)
         return interrupted() or (report.recorded > 0 and time_up())

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import time
+from collections.abc import Callable
 
 from ..clock import now, now_ms
 from ..scheduling.admission import Priority, Slot
@@ -31,30 +33,47 @@ class ResidentRuns:
     """The resident chunks of one runner. ``last_chunk_rows`` and ``last_chunk_seconds``: rows recorded by, and
     seconds of, the last chunk (the batch share reads them).
 
-    A chunk that has run for its time bound (``BATCH_CHUNK_SECONDS``) starts no further row once it recorded one,
-    while its rows in flight finish; with ``overlap`` (:meth:`claim_and_run`) it finishes in the background from
-    then on, so that the batch's next chunk starts its rows beside them and the engine's batch slots stay full
-    across the boundary. At most one chunk finishes so at a time, and only the next chunk of its own batch starts
-    beside it (another batch's waits until it ended)."""
+    A chunk run in the foreground ends at its time bound (``BATCH_CHUNK_SECONDS``): it starts no further row once it
+    recorded one, and its rows in flight finish. With ``overlap`` (:meth:`claim_and_run`) the bound hands the
+    engine back to the runner's plan instead: the chunk goes on in the background, and the runner plans again. When
+    the plan picks the same batch, its next chunk starts beside the running one (its rows queue behind those of the
+    first in the engine, so the batch slots stay full across the boundary); before any other batch's chunk starts,
+    the background chunk is *closed*, which ends it as its time bound would, and waited for (:meth:`settle`). One
+    chunk runs in the background at a time: a second one past its bound closes the first and waits for it."""
 
     def __init__(self, state: RunState) -> None:
         self.state = state
         self.last_chunk_rows = 0
         self.last_chunk_seconds = 0.0
-        #: (batch id, task) of the chunk past its time bound whose rows in flight still run, or None
-        self._draining: tuple[str, asyncio.Task[None]] | None = None
+        #: (batch id, task, closed) of the chunk running in the background past its time bound, or None
+        self._draining: tuple[str, asyncio.Task[None], asyncio.Event] | None = None
         #: when the last chunk ended (monotonic seconds): a chunk's measured time starts no earlier
         self._last_end = float("-inf")
 
     def running(self, batch_id: str) -> bool:
-        """Whether a chunk of the batch still finishes its rows here in the background (its finish waits)."""
+        """Whether a chunk of the batch runs here in the background (its finish waits)."""
         return self._draining is not None and self._draining[0] == batch_id and not self._draining[1].done()
 
+    def background(self) -> str | None:
+        """The batch whose chunk runs in the background now, or None."""
+        return self._draining[0] if self._draining is not None and not self._draining[1].done() else None
+
+    def closed(self) -> bool:
+        """Whether the chunk running in the background (if any) was closed."""
+        return self._draining is not None and self._draining[2].is_set()
+
+    def close(self) -> None:
+        """Close the chunk running in the background (if any): it starts no further row; its rows in flight finish
+        and are recorded."""
+        if self._draining is not None:
+            self._draining[2].set()
+
     async def settle(self, keep: str | None = None) -> None:
-        """Wait until the chunk finishing in the background (if any, and unless it is a running chunk of batch
-        ``keep``) has ended; re-raises what it raised (a store fault, as a chunk run in the foreground does)."""
+        """Close the chunk running in the background (if any, and unless it is a running chunk of batch ``keep``)
+        and wait until it ended; re-raises what it raised (a store fault, as a chunk run in the foreground does)."""
         if self._draining is None or self.running(keep or ""):
             return
+        self.close()
         task = self._draining[1]
         try:
             await task
@@ -88,13 +107,18 @@ class ResidentRuns:
         if not claimed:
             self.state.on_change(batch.id)
             return True
-        run = asyncio.create_task(self._run(batch, token, owner, claimed, ready), name=f"miserver-chunk-{batch.id}")
+        bound = self.state.settings.batch_chunk_seconds
+        closed = asyncio.Event()
+        run = asyncio.create_task(
+            self._run(batch, token, owner, claimed, ready, math.inf if overlap else bound, closed.is_set),
+            name=f"miserver-chunk-{batch.id}",
+        )
         try:
             if overlap:
-                await asyncio.wait({run}, timeout=self.state.settings.batch_chunk_seconds)
-                if not run.done():  # past its time bound: the next chunk of the batch may start beside it
+                await asyncio.wait({run}, timeout=bound)
+                if not run.done():  # past its time bound: on in the background while the runner plans again
                     await self.settle()
-                    self._draining = (batch.id, run)
+                    self._draining = (batch.id, run, closed)
                     run.add_done_callback(lambda _task: self.state.wake())
                     return True
             await run
@@ -112,9 +136,11 @@ class ResidentRuns:
         owner: str,
         claimed: list[store_rows.ClaimedRow],
         ready: Readiness,
+        time_limit: float,
+        closed: Callable[[], bool],
     ) -> None:
         """Run the claimed chunk under a batch slot and its heartbeat, then release the claim (the rows not recorded
-        go back to pending, uncharged)."""
+        go back to pending, uncharged); it ends at ``time_limit`` seconds or once ``closed()``."""
         try:
             async with (
                 self.state.ctx.gate.hold(Priority.BATCH) as slot,
@@ -132,7 +158,7 @@ class ResidentRuns:
                 await self.state.set_waiting(batch, None, ready.holder)
                 started = time.monotonic()
                 with accounts.acting_as(accounts.owner_principal(batch.owner_key_id)):
-                    report = await self._chunk(batch, token, claimed, slot, ready)
+                    report = await self._chunk(batch, token, claimed, slot, ready, time_limit, closed)
                 end = time.monotonic()
                 seconds = end - max(started, self._last_end)  # a chunk that overlapped the last one counts from its end
                 self._last_end = end
@@ -150,6 +176,8 @@ class ResidentRuns:
         claimed: list[store_rows.ClaimedRow],
         slot: Slot,
         ready: Readiness,
+        time_limit: float,
+        closed: Callable[[], bool],
     ) -> chunks.ChunkReport:
         """One chunk of ``batch``'s claimed rows through the one row loop, billed to its owner at its prices."""
         return await chunks.run_chunk(
@@ -163,12 +191,13 @@ class ResidentRuns:
             plan=packing.batch_plan(self.state.settings, batch),
             slot=slot,
             lease=ready.lease,
-            time_limit=self.state.settings.batch_chunk_seconds,
+            time_limit=time_limit,
             stopping=lambda: self.state.stopping,
             on_change=self.state.on_change,
             owner=batch.owner_key_id,
             prices=batch.prices,
             deadline=batch.expires_at,
+            closed=closed,
         )
 
     async def _measured(self, batch: BatchRecord, report: chunks.ChunkReport, seconds: float) -> None:

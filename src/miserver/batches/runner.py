@@ -195,6 +195,8 @@ class BatchRunner:
             candidates, now=self.clock(), rate_of=rate_of, fair=fair, hours=self.hours, margin=self.margin
         )
         await estimates.store_estimates(self.store, running, decision, pending, self.clock(), self.upstream.serves)
+        if self.resident.background() not in (None, *decision.order):
+            self.resident.close()  # the plan no longer runs that batch now: its chunk ends as at its time bound
         for batch_id, reason in decision.waiting.items():
             await self.state.set_waiting(by_id[batch_id], reason, None)
         # batches whose rows go to upstream pools do not share the resident engine: each takes its step
@@ -294,7 +296,7 @@ class BatchRunner:
         ``take_over``: the scheduler picked it, so it takes the model lease from another batch that holds it between
         chunks (fair share); ``overlap``: a resident chunk returns once past its time bound and finishes in the
         background (:meth:`ResidentRuns.claim_and_run`)."""
-        await self.resident.settle(keep=batch.id)  # another batch's chunk finishing in the background ends first
+        await self.resident.settle(keep=batch.id)  # another batch's chunk in the background is closed and ends first
         if now() >= batch.expires_at:
             return await self._finish(batch, "expired", "batch_expired")
         if batch.paused_at is not None:
