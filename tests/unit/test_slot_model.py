@@ -231,8 +231,10 @@ def test_models_the_forward_does_not_cover_fall_back() -> None:
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "packed", "transposed"])
-def test_weight_copies_follow_weight_writes(loaded: LoadedModel, weights: WeightLayout) -> None:
-    weight = loaded.model.model.layers[0].mlp.down_proj.weight
+@pytest.mark.parametrize("part", ["mlp.down_proj", "self_attn.k_proj", "mlp.up_proj"])
+def test_weight_copies_follow_weight_writes(loaded: LoadedModel, weights: WeightLayout, part: str) -> None:
+    """A write to a weight alone or to one of a fused stack (query/key/value, gate/up) is seen at the next step."""
+    weight = loaded.model.model.layers[0].get_submodule(part).weight
     kept = weight.detach().clone()
     ids = ids_of(loaded, PROMPTS[0])
     with torch.inference_mode():

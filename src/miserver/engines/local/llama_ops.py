@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from miserver.engines.local.slot_weights import Projections
+
 log = logging.getLogger(__name__)
 
 
@@ -36,6 +38,16 @@ def project(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) ->
         return y if bias is None else y + bias
     y = torch.matmul(x, matrix)
     return y if bias is None else y + bias
+
+
+def project_all(x: torch.Tensor, group: Projections) -> list[torch.Tensor]:
+    """Each projection of ``group`` applied to ``x`` (``[rows, in]``): ``[rows, size]`` per projection, in order; a
+    fused group is one product, split along its outputs (views)."""
+    if len(group.matrices) == 1:
+        y = project(x, group.matrices[0], group.biases[0])
+        starts = [sum(group.sizes[:i]) for i in range(len(group.sizes))]
+        return [y.narrow(-1, start, size) for start, size in zip(starts, group.sizes, strict=True)]
+    return [project(x, m, b) for m, b in zip(group.matrices, group.biases, strict=True)]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

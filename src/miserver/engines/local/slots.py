@@ -35,7 +35,14 @@ from transformers import PreTrainedModel
 
 from miserver.engines.local import attention as attention_kernel
 from miserver.engines.local.generate import prefill
-from miserver.engines.local.llama_ops import compile_forward, project, rms_norm, rotate, rows_computed_alone
+from miserver.engines.local.llama_ops import (
+    compile_forward,
+    project,
+    project_all,
+    rms_norm,
+    rotate,
+    rows_computed_alone,
+)
 from miserver.engines.local.slot_weights import (
     Layer,
     WeightCopies,
@@ -266,13 +273,13 @@ class SlotModel:
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         b = x.shape[0]
         cos, sin = self._cos[positions], self._sin[positions]
-        h = rms_norm(x, layer.norm_in, self.eps)
-        q = rotate(project(h, layer.q, layer.q_bias).view(b, self.heads, self.head_dim), cos, sin)
-        k = rotate(project(h, layer.k, layer.k_bias).view(b, self.kv_heads, self.head_dim), cos, sin)
-        v = project(h, layer.v, layer.v_bias).to(self.kv_dtype)
+        q, k, v = project_all(rms_norm(x, layer.norm_in, self.eps), layer.qkv)
+        q = rotate(q.reshape(b, self.heads, self.head_dim), cos, sin)
+        k = rotate(k.reshape(b, self.kv_heads, self.head_dim), cos, sin)
+        v = v.to(self.kv_dtype)
         hidden = x + project(q.reshape(b, -1), layer.o, layer.o_bias)
-        h = rms_norm(hidden, layer.norm_post, self.eps)
-        hidden = hidden + project(F.silu(project(h, layer.gate, None)) * project(h, layer.up, None), layer.down, None)
+        gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
+        hidden = hidden + project(F.silu(gate) * up, layer.down, None)
         last = rms_norm(hidden, self._norm.weight, self._norm_eps)
         logits = project(last, self._copies.matrix(head.weight, self.weights), head.bias).float()
         return k.to(self.kv_dtype), v, logits
@@ -344,11 +351,10 @@ class SlotModel:
         columns = pos_t + 1  # [B]: each row's own columns (the kernel's)
         mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
         for i, layer in enumerate(layers):
-            x = rms_norm(hidden, layer.norm_in, self.eps)
-            q = project(x, layer.q, layer.q_bias).view(b, self.heads, self.head_dim)
-            k = project(x, layer.k, layer.k_bias).view(b, self.kv_heads, self.head_dim)
-            v = project(x, layer.v, layer.v_bias).view(b, self.kv_heads, self.head_dim)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q, k, v = project_all(rms_norm(hidden, layer.norm_in, self.eps), layer.qkv)
+            v = v.reshape(b, self.kv_heads, self.head_dim)
+            q = rotate(q.reshape(b, self.heads, self.head_dim), cos, sin)
+            k = rotate(k.reshape(b, self.kv_heads, self.head_dim), cos, sin)
             self._keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
             self._values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)
             if kernel is not None:
@@ -356,9 +362,8 @@ class SlotModel:
             else:
                 attn = self._attend(i, q, row_t, lo, seen.shape[0], width, mask)  # [B, heads * head_dim]
             hidden = hidden + project(attn, layer.o, layer.o_bias)
-            x = rms_norm(hidden, layer.norm_post, self.eps)
-            gated = F.silu(project(x, layer.gate, None)) * project(x, layer.up, None)
-            hidden = hidden + project(gated, layer.down, None)
+            gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
+            hidden = hidden + project(F.silu(gate) * up, layer.down, None)
         hidden = rms_norm(hidden, self._norm.weight, self._norm_eps)
         return project(hidden, head, head_bias).float()
 
@@ -373,11 +378,10 @@ class SlotModel:
         hidden = self._embed(ids)  # [N, hidden]
         cos, sin = self._cos[positions], self._sin[positions]
         for i, layer in enumerate(self._copies.layers(self.prefill_weights)):
-            x = rms_norm(hidden, layer.norm_in, self.eps)
-            q = project(x, layer.q, layer.q_bias).view(rows, self.heads, self.head_dim)
-            k = project(x, layer.k, layer.k_bias).view(rows, self.kv_heads, self.head_dim)
-            v = project(x, layer.v, layer.v_bias).view(rows, self.kv_heads, self.head_dim)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q, k, v = project_all(rms_norm(hidden, layer.norm_in, self.eps), layer.qkv)
+            v = v.reshape(rows, self.kv_heads, self.head_dim)
+            q = rotate(q.reshape(rows, self.heads, self.head_dim), cos, sin)
+            k = rotate(k.reshape(rows, self.kv_heads, self.head_dim), cos, sin)
             parts, start = [], 0
             for slot, n in zip(slots, lengths, strict=True):
                 keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
@@ -390,9 +394,8 @@ class SlotModel:
                 parts.append(attn[0].transpose(0, 1).reshape(n, -1))
                 start += n
             hidden = hidden + project(torch.cat(parts), layer.o, layer.o_bias)
-            x = rms_norm(hidden, layer.norm_post, self.eps)
-            gated = F.silu(project(x, layer.gate, None)) * project(x, layer.up, None)
-            hidden = hidden + project(gated, layer.down, None)
+            gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
+            hidden = hidden + project(F.silu(gate) * up, layer.down, None)
         ends = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
         last = rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
