@@ -272,6 +272,25 @@ async def test_past_its_time_bound_a_chunk_goes_on_until_another_batch_takes_the
     assert runner.resident.background() is None
 
 
+async def test_under_a_batch_share_no_chunk_goes_on_while_the_engine_is_left_idle(store: Store) -> None:
+    """With ``MISERVER_BATCH_SHARE`` below 1 and interactive traffic just admitted, the idle time the runner leaves
+    after a chunk is idle: a chunk past its time bound is closed and ends (its row in flight recorded) first."""
+    runner = runner_for(store, batch_chunk_rows=5, batch_chunk_seconds=1e-9, batch_share=0.5)
+    engine = fake(runner)
+    batch = await create_batch(store, input_lines("s", 5))
+    assert await runner.validator.run(batch)
+    gate = runner.ctx.gate
+    gate.release(await gate.acquire(Priority.INTERACTIVE))  # an interactive request was admitted just now
+    engine.hold.clear()
+    step = asyncio.create_task(runner.step())
+    await engine.entered.wait()
+    await until(runner.resident.closed, what="the chunk closed before the idle time")
+    engine.hold.set()
+    await asyncio.wait_for(step, 10)
+    assert runner.resident.background() is None and len(engine.executed) == 1
+    assert [r.state for r in await rows_of(store, batch.id)] == ["done"] + ["pending"] * 4
+
+
 async def test_waiting_reasons(store: Store) -> None:
     runner = runner_for(store)
     batch = await create_batch(store, input_lines("w", 2))

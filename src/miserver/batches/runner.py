@@ -232,6 +232,7 @@ class BatchRunner:
             self._interactive_seen = (granted, clock)
         if share >= 1.0 or clock - self._interactive_seen[1] > INTERACTIVE_RECENT_SECONDS:
             return
+        await self.resident.settle()  # no batch row runs while the engine is left idle
         idle = self.resident.last_chunk_seconds * (1.0 / share - 1.0)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._halt.wait(), idle)

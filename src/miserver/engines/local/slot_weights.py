@@ -8,7 +8,7 @@ in the model's dtype; ``"bfloat16"``, a bfloat16 copy prepacked for oneDNN.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -120,7 +120,7 @@ class WeightCopies:
             return packed
         return weight.t().contiguous()
 
-    def _copy(self, sources: list[torch.Tensor], tag: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _copy(self, sources: Sequence[torch.Tensor], tag: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The copy made by ``make()`` from ``sources`` under ``tag``, kept until a source's storage or version
         changes."""
         key = (tuple(id(t) for t in sources), tag)
