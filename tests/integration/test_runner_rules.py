@@ -58,8 +58,8 @@ def input_lines(prefix: str, count: int) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-async def create_batch(store: Store, content: bytes, *, window: int = 86400) -> BatchRecord:
-    return await stored_batch(store, content, endpoint=ENDPOINT, window=window)
+async def create_batch(store: Store, content: bytes, *, window: int = 86400, pack: bool = False) -> BatchRecord:
+    return await stored_batch(store, content, endpoint=ENDPOINT, window=window, pack=pack)
 
 
 async def get(store: Store, batch_id: str) -> BatchRecord:
@@ -248,12 +248,13 @@ async def test_the_time_bound_ends_a_chunk_after_its_first_row(store: Store) -> 
 
 
 async def test_past_its_time_bound_a_chunk_goes_on_until_another_batch_takes_the_engine(store: Store) -> None:
-    """A chunk run by the runner's loop hands the engine back to the plan at its time bound and goes on in the
-    background; when the plan picks another batch, it is closed first: its row in flight finishes and is recorded,
+    """A packed window run by the runner's loop hands the engine back to the plan at its time bound and goes on in
+    the background; when the plan picks another batch, it is closed first: its row in flight finishes and is recorded,
     its other rows go back to pending, and only then does the other batch run."""
-    runner = runner_for(store, batch_chunk_rows=5, batch_chunk_seconds=1e-9)
+    runner = runner_for(store, batch_chunk_seconds=1e-9, batch_pack_token_budget=1)  # packed: a row per pack
     engine = fake(runner)
-    batches = [await create_batch(store, input_lines("aa", 5)), await create_batch(store, input_lines("bbb", 5))]
+    lines = [input_lines("aa", 5), input_lines("bbb", 5)]
+    batches = [await create_batch(store, content, pack=True) for content in lines]
     for batch in batches:
         assert await runner.validator.run(batch)
     engine.hold.clear()
@@ -275,9 +276,9 @@ async def test_past_its_time_bound_a_chunk_goes_on_until_another_batch_takes_the
 async def test_under_a_batch_share_no_chunk_goes_on_while_the_engine_is_left_idle(store: Store) -> None:
     """With ``MISERVER_BATCH_SHARE`` below 1 and interactive traffic just admitted, the idle time the runner leaves
     after a chunk is idle: a chunk past its time bound is closed and ends (its row in flight recorded) first."""
-    runner = runner_for(store, batch_chunk_rows=5, batch_chunk_seconds=1e-9, batch_share=0.5)
+    runner = runner_for(store, batch_chunk_seconds=1e-9, batch_share=0.5, batch_pack_token_budget=1)
     engine = fake(runner)
-    batch = await create_batch(store, input_lines("s", 5))
+    batch = await create_batch(store, input_lines("s", 5), pack=True)
     assert await runner.validator.run(batch)
     gate = runner.ctx.gate
     gate.release(await gate.acquire(Priority.INTERACTIVE))  # an interactive request was admitted just now

@@ -108,6 +108,8 @@ class ResidentRuns:
             self.state.on_change(batch.id)
             return True
         bound = self.state.settings.batch_chunk_seconds
+        # only a packed window goes on past its bound: rows that do not pack keep running one at a time, in file order
+        overlap = overlap and packing.batch_plan(self.state.settings, batch) is not None
         closed = asyncio.Event()
         run = asyncio.create_task(
             self._run(batch, token, owner, claimed, ready, math.inf if overlap else bound, closed.is_set),
