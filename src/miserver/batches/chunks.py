@@ -189,8 +189,8 @@ async def run_chunk(
     """Run ``rows`` (claimed under ``token``) while holding ``slot`` (None: each row or pack takes the admission gate
     itself), recording each as it finishes. ``endpoint`` (the batch's) picks the error body's dialect.
 
-    ``time_limit`` is the chunk's time bound in seconds, and ``closed()`` (when given) answers true once the runner
-    closes the chunk: either ends it as its time bound does (no new row starts; the rows in flight finish and are
+    ``time_limit`` is the chunk's time bound in seconds; ``closed()`` (when given) answers true once the runner
+    closes the chunk, which ends it as the time bound does (no new row starts; the rows in flight finish and are
     recorded); ``stopping()`` answers true once the runner stops;
     ``deadline`` (Unix seconds, the batch's ``expires_at``) is when rows stop: upstream rows are no longer retried and
     rows in flight on the resident engine leave at its next step; ``read_ahead``: the

@@ -109,7 +109,7 @@ class ResidentRuns:
             return True
         bound = self.state.settings.batch_chunk_seconds
         # only a packed window goes on past its bound: rows that do not pack keep running one at a time, in file order
-        overlap = overlap and packing.batch_plan(self.state.settings, batch) is not None
+        overlap = overlap and packing.packs(batch)
         closed = asyncio.Event()
         run = asyncio.create_task(
             self._run(batch, token, owner, claimed, ready, math.inf if overlap else bound, closed.is_set),

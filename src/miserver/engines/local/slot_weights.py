@@ -46,9 +46,10 @@ class Projections:
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer's tensors: the query, key and value projections (``qkv``), the output projection ``o`` (an
-    ``[in, out]`` matrix or a prepacked one, as a :class:`Projections` matrix) and its bias, the SwiGLU gate and up
-    projections (``gate_up``) and the down projection. Norm weights are the model's own."""
+    """One decoder layer's tensors: the query, key and value projections (``qkv``), the output projection ``o`` and
+    its bias, the SwiGLU gate and up projections (``gate_up``) and the down projection ``down``. ``o`` and ``down``
+    are what ``llama_ops.project`` takes (an ``[in, out]`` matrix, or a oneDNN tensor prepacked from the ``[out, in]``
+    weight). Norm weights are the model's own."""
 
     norm_in: torch.Tensor
     qkv: Projections
