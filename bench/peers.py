@@ -269,7 +269,7 @@ def main() -> None:
     args = parser.parse_args()
     engines = args.engines.split(",")
     policies = args.policies.split(",")
-    binary, why = (args.llama_server, "") if args.llama_server else find_llama_server()
+    binary, why = (args.llama_server.resolve(), "") if args.llama_server else find_llama_server()
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cores": os.cpu_count(),

@@ -150,7 +150,7 @@ def find_llama_server() -> tuple[Path | None, str]:
     ``(None, why not)``: the reason a test skips with."""
     named = os.environ.get(LLAMA_SERVER_ENV)
     if named:
-        path = Path(named)
+        path = Path(named).resolve()
         if path.is_file() and os.access(path, os.X_OK):
             return path, ""
         return None, f"{LLAMA_SERVER_ENV}={named} is not an executable file"

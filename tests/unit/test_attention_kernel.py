@@ -70,7 +70,11 @@ def random_step(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (16, 1, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    # every query group the kernel unrolls for head_dim 64 (1 to 4), and the generic loops up to the widest head_dim
+    [(4, 2, 16), (4, 4, 64), (4, 2, 64), (9, 3, 64), (8, 2, 64), (10, 2, 64), (8, 8, 32), (16, 1, 128), (4, 2, 256)],
+)
 def test_the_kernel_computes_torch_attention(
     kernel: attention.DecodeAttention, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
@@ -87,6 +91,17 @@ def test_a_row_gets_the_same_bits_alone_or_in_company(kernel: attention.DecodeAt
     for r in range(7):
         alone = kernel(q[r : r + 1], keys, values, slot[r : r + 1], seen[r : r + 1], 0.125)
         assert torch.equal(alone[0], together[r])
+
+
+def test_a_shape_the_kernel_does_not_cover_is_refused(kernel: attention.DecodeAttention) -> None:
+    assert not attention.DecodeAttention.covers(4, 2, 272, torch.float32, torch.device("cpu"))
+    assert not attention.DecodeAttention.covers(17, 1, 64, torch.float32, torch.device("cpu"))
+    q, keys, values, slot, seen = random_step(2, 17, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="does not cover"):
+        kernel(q, keys, values, slot, seen, 0.25)
+    q, keys, values, slot, seen = random_step(2, 2, 1, 272, torch.float32)
+    with pytest.raises(ValueError, match="does not cover"):
+        kernel(q, keys, values, slot, seen, 0.25)
 
 
 def test_a_row_never_reads_past_its_own_columns(kernel: attention.DecodeAttention) -> None:

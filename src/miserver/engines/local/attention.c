@@ -9,9 +9,14 @@
  *   out     [rows, heads, head_dim]           softmax(q k^T * scale) v of each query head
  *
  * Query head h reads kv head h / (heads / kv_heads), as transformers' repeat_kv. One task is one (row, kv head)
- * pair: it reads that pair's keys and values once for the whole query group, in column order, and nothing of any
- * other row, so a row's result never depends on the other rows of the step, nor on how tasks are spread over
- * threads. head_dim must be a multiple of 16 and heads a multiple of kv_heads (the caller checks).
+ * pair: it loads each of that pair's key and value columns once for the whole query group, in column order, and
+ * nothing of any other row, so a row's result never depends on the other rows of the step, nor on how tasks are
+ * spread over threads. head_dim must be a multiple of 16 and at most 256, and heads a multiple of kv_heads (the
+ * caller checks).
+ *
+ * Order of operations, per query head: each score is its column's lane-wise products (q chunk by chunk, added in
+ * chunk order) summed by sum16, times scale; the softmax below; each output lane is the sum over columns, in column
+ * order, of weight times value, times 1 / (the weights' sum16).
  *
  * Vectors are GCC's vector extensions (16 floats), which the compiler lowers to the machine's own (AVX-512, AVX2,
  * SSE or NEON). The exponential is Cephes' expf polynomial (range reduction by log 2, degree-5 polynomial, exponent
@@ -24,6 +29,7 @@
 
 #define MAX_GROUP 16
 #define LANES 16
+#define MAX_CHUNKS 16 /* head_dim up to 256 */
 
 /* 16 floats, loaded and stored at any float alignment and through any float pointer (the compiler lowers it to
    the machine's vectors) */
@@ -71,23 +77,60 @@ static inline v16 exp_neg(v16 x) {
     return y * (v16)((ni + 127) << 23);
 }
 
+static inline __attribute__((always_inline)) void sums16(const v16 *a, float *out, float scale) {
+    /* out[l] = sum16(a[l]) * scale for l = 0 .. 15, every sum in sum16's order: four rounds, each adding the lanes
+       sum16 adds, of two vectors at a time (lanes of one column stay together, columns in order) */
+    v16 b[8], c[4], d[2];
+    for (int m = 0; m < 8; m++)
+        b[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * m], a[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                       31);
+    for (int m = 0; m < 4; m++)
+        c[m] = __builtin_shufflevector(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                       27) +
+               __builtin_shufflevector(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int m = 0; m < 2; m++)
+        d[m] = __builtin_shufflevector(c[2 * m], c[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                       29) +
+               __builtin_shufflevector(c[2 * m], c[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    v16 e = __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+            __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    *(v16 *)out = e * scale;
+}
+
 static inline __attribute__((always_inline)) void attend_one(const float *q, const void *k, const void *v,
-                                                            float *out, int64_t group, const int64_t head_dim,
+                                                            float *out, const int64_t group, const int64_t head_dim,
                                                             int64_t seen, float scale, float *scores,
                                                             const int bf16) {
     /* q [group, head_dim], k and v [seen, head_dim], out [group, head_dim]; scores [group, padded] with padded
-       seen rounded up to 16 */
+       seen rounded up to 16. Each key and value column is loaded once for the whole group; with a constant group
+       and head_dim (see the caller) the group's queries and output sums stay in registers. */
     const int64_t chunks = head_dim / LANES;
     const int64_t padded = (seen + LANES - 1) / LANES * LANES;
-    for (int64_t j = 0; j < seen; j++) {
+    v16 qv[MAX_GROUP][MAX_CHUNKS];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++) qv[g][c] = *(const v16 *)(q + g * head_dim + c * LANES);
+    /* scores, 16 columns at a time: each column's lane-wise products, then the 16 sums at once */
+    for (int64_t j0 = 0; j0 < seen; j0 += LANES) {
+        const int64_t n = seen - j0 < LANES ? seen - j0 : LANES;
+        v16 acc[MAX_GROUP][LANES];
+        for (int64_t l = 0; l < n; l++) {
+            v16 kj[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; c++) kj[c] = load(k, (j0 + l) * head_dim + c * LANES, bf16);
+            for (int64_t g = 0; g < group; g++) {
+                v16 a = qv[g][0] * kj[0];
+                for (int64_t c = 1; c < chunks; c++) a += qv[g][c] * kj[c];
+                acc[g][l] = a;
+            }
+        }
         for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * head_dim;
-            v16 acc = *(const v16 *)qg * load(k, j * head_dim, bf16);
-            for (int64_t c = 1; c < chunks; c++)
-                acc += *(const v16 *)(qg + c * LANES) * load(k, j * head_dim + c * LANES, bf16);
-            scores[g * padded + j] = sum16(acc) * scale;
+            for (int64_t l = n; l < LANES; l++) acc[g][l] = (v16){0};
+            sums16(acc[g], scores + g * padded + j0, scale);
         }
     }
+    float inv[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * padded;
         for (int64_t j = seen; j < padded; j++) s[j] = s[0]; /* the padding: cleared after the exponential */
@@ -105,25 +148,42 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
             *(v16 *)(s + j) = p;
             total += p;
         }
-        const float inv = 1.0f / sum16(total);
-        float *o = out + g * head_dim;
-        for (int64_t c = 0; c < chunks; c++) {
-            v16 acc = (v16){0};
-            for (int64_t j = 0; j < seen; j++) acc += s[j] * load(v, j * head_dim + c * LANES, bf16);
-            *(v16 *)(o + c * LANES) = acc * inv;
+        inv[g] = 1.0f / sum16(total);
+    }
+    /* the weighted values: each value column loaded once, added into every head's sums in column order */
+    v16 o[MAX_GROUP][MAX_CHUNKS];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++) o[g][c] = (v16){0};
+    for (int64_t j = 0; j < seen; j++) {
+        v16 vj[MAX_CHUNKS];
+        for (int64_t c = 0; c < chunks; c++) vj[c] = load(v, j * head_dim + c * LANES, bf16);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * padded + j];
+            for (int64_t c = 0; c < chunks; c++) o[g][c] += p * vj[c];
         }
     }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++) *(v16 *)(out + g * head_dim + c * LANES) = o[g][c] * inv[g];
 }
+
+#define ATTEND(G, D)                                                                                           \
+    do {                                                                                                           \
+        if (bf16)                                                                                                  \
+            attend_one(q + at, k, v, o, (G), (D), seen[row], scale, scores, 1);                                     \
+        else                                                                                                       \
+            attend_one(q + at, k, v, o, (G), (D), seen[row], scale, scores, 0);                                     \
+    } while (0)
 
 int miserver_decode_attention(const float *q, const void *keys, const void *values, const int64_t *slot,
                               const int64_t *seen, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
                               int64_t capacity, int64_t head_dim, float scale, int threads, int bf16) {
-    /* 0 on success; 1 when scratch memory could not be had, 2 for a query group over MAX_GROUP (out undefined) */
+    /* 0 on success; 1 when scratch memory could not be had, 2 for a query group over MAX_GROUP or a head_dim over
+       LANES * MAX_CHUNKS (out undefined) */
     const int64_t group = heads / kv_heads;
     const int64_t tasks = rows * kv_heads;
     const size_t element = bf16 ? 2 : 4;
     int failed = 0;
-    if (group > MAX_GROUP) return 2;
+    if (group > MAX_GROUP || head_dim > LANES * MAX_CHUNKS) return 2;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *scores = malloc((size_t)(group * (capacity + LANES)) * sizeof(float));
@@ -136,15 +196,17 @@ int miserver_decode_attention(const float *q, const void *keys, const void *valu
             const char *k = (const char *)keys + base, *v = (const char *)values + base;
             const int64_t at = (row * heads + h * group) * head_dim;
             float *o = out + at;
-            /* constant head_dim and element type for the common shapes, so that their loops unroll */
-            if (bf16 && head_dim == 64)
-                attend_one(q + at, k, v, o, group, 64, seen[row], scale, scores, 1);
-            else if (bf16)
-                attend_one(q + at, k, v, o, group, head_dim, seen[row], scale, scores, 1);
-            else if (head_dim == 64)
-                attend_one(q + at, k, v, o, group, 64, seen[row], scale, scores, 0);
+            /* constant element type, and for head_dim 64 a constant group too, so that their loops unroll */
+            if (head_dim == 64 && group == 1)
+                ATTEND(1, 64);
+            else if (head_dim == 64 && group == 2)
+                ATTEND(2, 64);
+            else if (head_dim == 64 && group == 3)
+                ATTEND(3, 64);
+            else if (head_dim == 64 && group == 4)
+                ATTEND(4, 64);
             else
-                attend_one(q + at, k, v, o, group, head_dim, seen[row], scale, scores, 0);
+                ATTEND(group, head_dim);
         }
         free(scores);
     }

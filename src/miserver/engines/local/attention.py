@@ -35,6 +35,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-W
 MAX_GROUP = 16
 #: head_dim must be a multiple of this
 LANES = 16
+#: the widest head_dim (``LANES * MAX_CHUNKS`` in the C source)
+MAX_HEAD_DIM = 256
 
 
 def default_folder() -> Path:
@@ -65,12 +67,13 @@ class DecodeAttention:
 
     @staticmethod
     def covers(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether the kernel computes this attention: float32 on the CPU, ``head_dim`` a multiple of 16, a query
-        group of at most 16 heads."""
+        """Whether the kernel computes this attention: float32 on the CPU, ``head_dim`` a multiple of 16 up to 256, a
+        query group of at most 16 heads."""
         return (
             device.type == "cpu"
             and dtype == torch.float32
             and head_dim % LANES == 0
+            and head_dim <= MAX_HEAD_DIM
             and heads % kv_heads == 0
             and heads // kv_heads <= MAX_GROUP
         )
@@ -87,7 +90,8 @@ class DecodeAttention:
         """Attention of ``q`` (``[rows, heads, head_dim]``, float32) over one layer's cache ``keys`` and ``values``
         (``[slots, kv_heads, capacity, head_dim]``, float32 or bfloat16, contiguous), row ``r`` over the first
         ``seen[r]`` columns of slot ``slot[r]`` (both ``[rows]``, int64, ``1 <= seen <= capacity``); returns
-        ``[rows, heads * head_dim]`` float32. Raises ``MemoryError`` when the kernel cannot allocate its scratch."""
+        ``[rows, heads * head_dim]`` float32. Raises ``MemoryError`` when the kernel cannot allocate its scratch,
+        ``ValueError`` for a shape :meth:`covers` refuses."""
         q = q.contiguous()
         rows, heads, head_dim = q.shape
         _, kv_heads, capacity, _ = keys.shape
@@ -111,6 +115,11 @@ class DecodeAttention:
             torch.get_num_threads(),
             keys.dtype == torch.bfloat16,
         )
+        if failed == 2:
+            raise ValueError(
+                f"the decode attention kernel does not cover heads={heads}, kv_heads={kv_heads}, "
+                f"head_dim={head_dim} (see covers)"
+            )
         if failed:
             raise MemoryError("the decode attention kernel could not allocate its scores")
         return out.view(rows, heads * head_dim)
