@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers.utils import logging as transformers_logging
 
 from miserver.engines.base import (
     Engine,
@@ -364,3 +365,17 @@ async def test_real_model_answers_and_loads_from_cache(monkeypatch: pytest.Monke
     again = await LocalEngine.start(EMBEDDED_MODEL_ID, cache_dir=cache_dir)
     assert again.info.weights_revision == engine.info.weights_revision
     await again.close()
+
+
+def test_loading_writes_no_progress_bars_into_a_log(
+    tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Standard error here is a file, as a server's log is: transformers' progress bars stay out of it."""
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()  # as a fresh process has it
+    try:
+        load_model(resolve_model_source(str(tiny_model_dir), None), tmp_path, "cpu")
+        err = capfd.readouterr().err
+    finally:
+        (transformers_logging.enable_progress_bar if was_enabled else transformers_logging.disable_progress_bar)()
+    assert "Loading weights" not in err and "\r" not in err, err

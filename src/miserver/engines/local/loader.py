@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as transformers_logging
 
 from miserver.settings import EMBEDDED_MODEL_ID
 
@@ -144,9 +146,13 @@ def load_tokenizer(source: ModelSource, cache_dir: Path) -> PreTrainedTokenizerB
 def load_model(source: ModelSource, cache_dir: Path, device: str | None = None) -> LoadedModel:
     """Load ``source`` on ``device`` (see :func:`pick_device`), converting a GGUF file once into the cache.
 
-    Blocking and slow (up to ~35 s on a first GGUF start): call it from the engine's thread.
-    Raises ``ValueError`` for unusable files, and whatever transformers raises for corrupt ones.
+    Blocking and slow (up to ~35 s on a first GGUF start): call it from the engine's thread. transformers' progress
+    bars (loading, converting) are turned off for the process unless standard error is a terminal: in a log file
+    or a pipe they are lines of carriage returns. Raises ``ValueError`` for unusable files, and whatever
+    transformers raises for corrupt ones.
     """
+    if not sys.stderr.isatty():
+        transformers_logging.disable_progress_bar()
     dev, dtype = pick_device(device)
     with torch.inference_mode():
         if source.kind == "gguf":
