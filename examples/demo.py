@@ -66,9 +66,12 @@ def gold_path_for(input_path: Path) -> Path:
 
 
 def poll(client: openai.OpenAI, batch_id: str, interval: float) -> tuple[Any, float]:
-    """Poll until the batch is terminal with a progress bar; returns the batch and the monotonic time it was seen."""
-    bar = tqdm(total=None, unit="row", desc="batch", dynamic_ncols=True)
+    """Poll until the batch is terminal, with a progress bar on a terminal (a line at each change of status and each
+    quarter of the rows in a log or a pipe); returns the batch and the monotonic time it was seen."""
+    terminal = sys.stderr.isatty()
+    bar = tqdm(total=None, unit="row", desc="batch", dynamic_ncols=True, disable=not terminal)
     shown: tuple[Any, ...] = ()
+    logged: tuple[str, int] = ("", -1)  # the status and quarter last written as a line
     try:
         while True:
             batch = client.batches.retrieve(batch_id)
@@ -77,11 +80,17 @@ def poll(client: openai.OpenAI, batch_id: str, interval: float) -> tuple[Any, fl
             state = (batch.status, counts.total, counts.completed, counts.failed) if counts else (batch.status,)
             if state != shown:  # redraw on change only (tqdm also ticks the rate on its own)
                 shown = state
-                if counts is not None and counts.total:
-                    bar.total = counts.total
-                    bar.n = counts.completed + counts.failed
+                done = counts.completed + counts.failed if counts else 0
+                total = counts.total if counts else 0
+                if total:
+                    bar.total = total
+                    bar.n = done
                 bar.set_postfix_str(f"{batch.status} failed={counts.failed if counts else 0}", refresh=False)
                 bar.refresh()
+                quarter = 4 * done // total if total else 0
+                if not terminal and (batch.status, quarter) != logged:
+                    logged = (batch.status, quarter)
+                    print(f"batch {batch.status}: {done}/{total} rows", file=sys.stderr, flush=True)
             if batch.status in TERMINAL:
                 return batch, seen
             time.sleep(interval)
@@ -227,7 +236,9 @@ def run(args: argparse.Namespace) -> int:
                 pid = server.proc.pid
                 print(f"server left running at {server.base_url} (pid {pid}); stop it with: kill {pid}")
             else:
-                print(f"server stopped (exit status {server.stop()})")
+                status = server.stop()
+                # uvicorn raises SIGTERM again once its graceful shutdown is done: -15 is a clean stop
+                print("server stopped" if status in (0, -signal.SIGTERM) else f"server stopped, exit status {status}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,7 +152,7 @@ def load_model(source: ModelSource, cache_dir: Path, device: str | None = None) 
     transformers raises for corrupt ones.
     """
     if not sys.stderr.isatty():
-        transformers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     dev, dtype = pick_device(device)
     with torch.inference_mode():
         if source.kind == "gguf":
