@@ -167,11 +167,11 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
 }
 
 #define ATTEND(G, D)                                                                                           \
-    do {                                                                                                           \
-        if (bf16)                                                                                                  \
-            attend_one(q + at, k, v, o, (G), (D), seen[row], scale, scores, 1);                                     \
-        else                                                                                                       \
-            attend_one(q + at, k, v, o, (G), (D), seen[row], scale, scores, 0);                                     \
+    do {                                                                                                       \
+        if (bf16)                                                                                              \
+            attend_one(q + at, k, v, o, (G), (D), seen[row], scale, scores, 1);                                \
+        else                                                                                                   \
+            attend_one(q + at, k, v, o, (G), (D), seen[row], scale, scores, 0);                                \
     } while (0)
 
 int miserver_decode_attention(const float *q, const void *keys, const void *values, const int64_t *slot,
