@@ -129,6 +129,15 @@ class Settings(BaseSettings):
     batch_max_rows: int = Field(50_000, validation_alias=_env("BATCH_MAX_ROWS"), ge=1)
     batch_max_file_bytes: int = Field(209_715_200, validation_alias=_env("BATCH_MAX_FILE_BYTES"), ge=1)
     batch_max_line_bytes: int = Field(1_048_576, validation_alias=_env("BATCH_MAX_LINE_BYTES"), ge=1)
+    max_request_bytes: int = Field(
+        1_048_576,
+        validation_alias=_env("MISERVER_MAX_REQUEST_BYTES"),
+        ge=1,
+        description="the largest JSON body a route accepts (chat, completions, Responses, Messages, embeddings, "
+        "scoring, key and model routes), refused with 413 request_too_large before it is read whole; as large as a "
+        "batch line (BATCH_MAX_LINE_BYTES) by default. File uploads have their own limits (BATCH_MAX_FILE_BYTES); "
+        "a JSON weight write may be as large as BATCH_MAX_FILE_BYTES",
+    )
     batch_pack_default: bool = Field(False, validation_alias=_env("BATCH_PACK_DEFAULT"))
     batch_max_completion_window: str = Field("168h", validation_alias=_env("BATCH_MAX_COMPLETION_WINDOW"))
     batch_chunk_rows: int = Field(

@@ -170,6 +170,13 @@ def test_error_envelope(claude: anthropic.Anthropic, http: httpx.Client) -> None
     assert r.status_code == 404 and r.json()["type"] == "error"
     r = http.post(MESSAGES, content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    big = json.dumps({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "a " * 600_000}]})
+    r = http.post(MESSAGES, content=big.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["type"] == "error", r.text[:300]
+    assert (
+        r.json()["error"]["type"] == "request_too_large"
+        and "MISERVER_MAX_REQUEST_BYTES" in r.json()["error"]["message"]
+    )
     assert "error" in http.get("/v1/nowhere").json() and "type" not in http.get("/v1/nowhere").json()
 
 

@@ -5,6 +5,8 @@ The database plays no part here, so the module shares one SQLite server (``sqlit
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -437,6 +439,40 @@ def test_invalid_json_body(server: ServerProcess) -> None:
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error"
         assert err["message"]
+
+
+def test_a_body_over_the_request_limit_is_a_413_before_it_is_kept(server: ServerProcess) -> None:
+    """A JSON body over ``MISERVER_MAX_REQUEST_BYTES`` (1 MiB by default, a batch line's limit) is refused with 413
+    ``request_too_large`` on every JSON route, whether its length is declared or it comes in chunks: it is never
+    decoded nor tokenized (a 5 MB chat once held every client for 5 s, and 100 MB ran the server out of memory)."""
+    http = server.http()
+    content = "a " * 600_000
+    bodies = {
+        "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 1},
+        "/v1/completions": {"model": "tiny", "prompt": content, "max_tokens": 1},
+        "/v1/responses": {"model": "tiny", "input": content, "max_output_tokens": 16},
+        "/v1/embeddings": {"model": "tiny", "input": content},
+        "/v1/batches": {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "metadata": {"k": content}},
+    }
+    for path, body in bodies.items():
+        raw = json.dumps(body).encode()
+        assert len(raw) > 1_048_576
+        r = http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 413, (path, r.text[:300])
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and "MISERVER_MAX_REQUEST_BYTES" in err["message"], (path, err)
+    raw = json.dumps(bodies["/v1/chat/completions"]).encode()
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer encoding
+        for start in range(0, len(raw), 65_536):
+            yield raw[start : start + 65_536]
+
+    r = http.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+    # just under the limit, the route reads it and answers as before
+    under = {"model": "tiny", "messages": [{"role": "user", "content": "a " * 500_000}], "max_tokens": 1}
+    r = http.post("/v1/chat/completions", json=under)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
 
 
 def test_context_length_exceeded(client: openai.OpenAI) -> None:

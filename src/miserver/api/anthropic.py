@@ -33,7 +33,7 @@ from ..services.batch_api import message_batches
 from ..services.inference import messages, routing
 from ..services.inference.context import Call, ServiceContext, StreamResult
 from ..services.inference.registry import SERVICES
-from .common import batch_invariant, json_body, lease_header, state, strict_mode
+from .common import batch_invariant, bounded_body, json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
@@ -118,7 +118,7 @@ async def create_message_batch(request: Request) -> dict[str, Any]:
     st = state(request)
     answer = await message_batches.create(
         st.store,
-        await request.body(),
+        await bounded_body(request),
         strict=strict_mode(request),
         base_url=str(request.base_url),
         max_window_hours=st.settings.max_completion_window_hours(),

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from ..protocol.batches import Batch, BatchCreateRequest, BatchList
 from ..services.batch_api import batches as service
 from ..services.batch_api.batches import batch_object
-from .common import lease_header, list_object, state, strict_mode
+from .common import bounded_body, lease_header, list_object, state, strict_mode
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 __all__ = ["batch_object", "router"]
@@ -24,7 +24,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
     """The new Batch in ``validating`` (or the first answer again for a retry under the same Idempotency-Key)."""
     st = state(request)
     form = service.BatchCreate(
-        raw=await request.body(),
+        raw=await bounded_body(request),
         strict=strict_mode(request),
         caller_lease=lease_header(request),
         idempotency_key=request.headers.get("idempotency-key"),

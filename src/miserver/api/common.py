@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, PayloadTooLargeError
 from ..http_headers import header_values
 from ..jobs.background import BackgroundJobs
 from ..model_lease import is_token
@@ -51,9 +51,57 @@ def state(request: Request) -> AppState:
     return st
 
 
-async def json_body(request: Request) -> Any:
-    """The decoded JSON body (any JSON value); 400 ``invalid_json`` when it does not parse."""
-    return decode_json(await request.body())
+#: A refused body's bytes are read and dropped, up to this many times the limit, so that a client that sends its
+#: whole body before it reads the answer gets the 413 (past that, the connection closes under it).
+DISCARD_FACTOR = 64
+
+
+async def _discard(stream: AsyncIterator[bytes], budget: int) -> None:
+    """Read and drop what is left of the body ``stream``, at most ``budget`` bytes (nothing is kept)."""
+    async for chunk in stream:
+        budget -= len(chunk)
+        if budget <= 0:
+            return
+
+
+async def json_body(request: Request, limit: int | None = None, setting: str = "MISERVER_MAX_REQUEST_BYTES") -> Any:
+    """The decoded JSON body (any JSON value); 400 ``invalid_json`` when it does not parse; 413
+    ``request_too_large`` for a body over ``limit`` bytes (see :func:`bounded_body`)."""
+    return decode_json(await bounded_body(request, limit, setting))
+
+
+async def bounded_body(
+    request: Request, limit: int | None = None, setting: str = "MISERVER_MAX_REQUEST_BYTES"
+) -> bytes:
+    """The request's body, at most ``limit`` bytes (default: the settings' ``max_request_bytes``), or 413
+    ``request_too_large`` naming ``setting``, before the body is kept whole: at once when its ``Content-Length``
+    says it is larger, else as soon as the bytes received pass the limit (the rest is read and dropped, see
+    ``DISCARD_FACTOR``)."""
+    if limit is None:
+        limit = state(request).settings.max_request_bytes
+
+    def too_large(size: str) -> PayloadTooLargeError:
+        return PayloadTooLargeError(
+            f"The request body is {size} bytes; the limit is {limit} bytes ({setting}).",
+            code="request_too_large",
+        )
+
+    declared = request.headers.get("content-length", "")
+    stream = request.stream()  # one iterator: Starlette refuses a second one
+    if declared.isdigit() and int(declared) > limit:
+        await _discard(stream, DISCARD_FACTOR * limit)
+        raise too_large(declared)
+    parts: list[bytes] = []
+    received = 0
+    async for chunk in stream:
+        received += len(chunk)
+        if received > limit:
+            await _discard(stream, DISCARD_FACTOR * limit)
+            raise too_large(f"more than {limit}")
+        parts.append(chunk)
+    body = b"".join(parts)
+    request._body = body  # as Request.body() keeps it: a later read of the body gets the same bytes
+    return body
 
 
 #: The values of a true/false header (``X-miLLM-Strict``, ``X-miLLM-Batch-Invariant``) that miServer understands

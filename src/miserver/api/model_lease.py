@@ -13,7 +13,7 @@ from ..protocol.parsing import parse_request
 from ..protocol.server import LeaseObject, LeaseReleased, LeaseRequest, RenewRequest
 from ..services.accounts import keys as accounts
 from ..services.batch_api import batches as batches_service
-from .common import json_body, lease_header, state, strict_mode
+from .common import bounded_body, json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, documented
 
 router = APIRouter()
@@ -43,7 +43,7 @@ async def take_lease(request: Request) -> dict[str, Any]:
 @router.post("/api/lease/{lease}/renew")
 @documented(body=RenewRequest, body_required=False, ok=LeaseObject, errors=CHANGE_ERRORS, headers=("strict",))
 async def renew_lease(lease: str, request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    raw = await bounded_body(request)
     req = parse_request(RenewRequest, await json_body(request) if raw.strip() else {}, strict=strict_mode(request))
     return state(request).ctx.leases.renew(lease, req.ttl_seconds).as_json()
 

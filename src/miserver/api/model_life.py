@@ -27,7 +27,7 @@ from ..protocol.model_life import (
     WeightWriteRequest,
     WeightWritten,
 )
-from .common import json_body, lease_header, state
+from .common import bounded_body, json_body, lease_header, state
 from .openapi import CHANGE_ERRORS, documented
 
 router = APIRouter()
@@ -75,8 +75,11 @@ async def weights_write(request: Request) -> JSONResponse:
         if unknown:
             raise InvalidRequestError(f"Unknown query parameter '{unknown[0]}'.", param=unknown[0])
         op = request.query_params.get("op", "set")
-        return _answer(await weights.write_safetensors(lease_header(request), await request.body(), op))
-    return _answer(await weights.write(lease_header(request), await json_body(request)))
+        limit = state(request).settings.batch_max_file_bytes
+        body = await bounded_body(request, limit, "BATCH_MAX_FILE_BYTES")
+        return _answer(await weights.write_safetensors(lease_header(request), body, op))
+    limit = state(request).settings.batch_max_file_bytes  # a weight's values may be many megabytes
+    return _answer(await weights.write(lease_header(request), await json_body(request, limit, "BATCH_MAX_FILE_BYTES")))
 
 
 @router.post("/api/weights/commit")

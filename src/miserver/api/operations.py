@@ -17,7 +17,7 @@ from ..protocol.operations import DeletedBatch, DeletedWebhook, WebhookList
 from ..protocol.webhooks import WebhookCreateRequest, WebhookObject
 from ..services.batch_api import operations as service
 from ..services.batch_api import webhooks as webhooks_service
-from .common import list_object, state
+from .common import bounded_body, list_object, state
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 router = APIRouter()
@@ -90,7 +90,7 @@ async def create_webhook(request: Request) -> dict[str, Any]:
     """``{id, object, url, events, created_at, secret}``: the secret (``whsec_...``) is shown this once."""
     st = state(request)
     return await webhooks_service.create(
-        st.store, await request.body(), allow_private=st.settings.webhook_allow_private
+        st.store, await bounded_body(request), allow_private=st.settings.webhook_allow_private
     )
 
 
