@@ -37,8 +37,34 @@ def db_upgrade(database_url: str | None, data_dir: str) -> None:
     try:
         upgrade(settings.resolved_database_url())
     except OperationalError as exc:
-        reason = str(exc.orig).strip().splitlines()[-1] if exc.orig is not None else str(exc)
-        raise click.ClickException(
-            f"cannot open the database: {reason} (a PostgreSQL database must exist first: createdb NAME)"
-        ) from None
+        raise cannot_open(exc) from None
     click.echo("database at head")
+
+
+def cannot_open(exc: Exception) -> click.ClickException:
+    """The one-line error for a database that cannot be opened (SQLAlchemy's ``OperationalError``)."""
+    orig = getattr(exc, "orig", None)
+    reason = str(orig if orig is not None else exc).strip().splitlines()[-1]
+    return click.ClickException(
+        f"cannot open the database: {reason} (a PostgreSQL database must exist first: createdb NAME)"
+    )
+
+
+def check_reachable(url: str) -> None:
+    """Open the PostgreSQL database at ``url`` once (SQLite opens its file as it starts); raises
+    :func:`cannot_open`'s error when it cannot."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import OperationalError
+
+    from ..store.db import is_sqlite
+
+    if is_sqlite(url):
+        return
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except OperationalError as exc:
+        raise cannot_open(exc) from None
+    finally:
+        engine.dispose()

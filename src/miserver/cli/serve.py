@@ -11,6 +11,7 @@ import click
 from .. import log_redaction
 from ..settings import Settings
 from .base import P, R, _on_store, main
+from .db import check_reachable
 
 
 def resident_options(command: Callable[P, R]) -> Callable[P, R]:
@@ -135,6 +136,8 @@ def serve(
         overrides["insecure_no_auth"] = True
     overrides |= _upstream_overrides(upstream, no_model)
     settings = Settings(**overrides)
+    _check_port_free(host, port)
+    check_reachable(settings.resolved_database_url())
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_redaction.install()
     _check_sqlite_free(settings)
@@ -195,6 +198,7 @@ def worker(
             overrides[key] = value
     overrides |= _upstream_overrides(upstream, no_model)
     settings = Settings(**overrides)
+    check_reachable(settings.resolved_database_url())
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_redaction.install()
 
@@ -243,6 +247,25 @@ def _check_exposure(settings: Settings) -> None:
         _on_store(settings.database_url, str(settings.data_dir), check)
     except accounts.OpenExposureError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail at once, before the model loads, when another process listens on ``host:port``."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve on {host}:{port}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as uvicorn binds: a closed socket's wait is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise click.ClickException(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _check_sqlite_free(settings: Settings) -> None:
