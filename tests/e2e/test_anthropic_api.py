@@ -364,6 +364,25 @@ def test_message_batch_refusals(claude: anthropic.Anthropic, http: httpx.Client)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_message_batch_may_be_larger_than_a_request(http: httpx.Client) -> None:
+    """Its inline requests are a batch file's content: a body over ``MISERVER_MAX_REQUEST_BYTES`` (1 MiB) is taken
+    (up to ``BATCH_MAX_FILE_BYTES``); each request stays within a batch line's size."""
+    long_text = "a " * 200_000
+    requests = [
+        {
+            "custom_id": f"r{i}",
+            "params": {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": long_text}]},
+        }
+        for i in range(3)
+    ]
+    payload = json.dumps({"requests": requests}).encode()
+    assert len(payload) > 1_048_576
+    r = http.post("/anthropic/v1/messages/batches", content=payload, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["request_counts"]["processing"] == 3
+    http.post(f"/anthropic/v1/messages/batches/{r.json()['id']}/cancel")
+
+
 # -- token counting and models ------------------------------------------------------------------------------------
 
 

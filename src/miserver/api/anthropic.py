@@ -118,7 +118,8 @@ async def create_message_batch(request: Request) -> dict[str, Any]:
     st = state(request)
     answer = await message_batches.create(
         st.store,
-        await bounded_body(request),
+        # inline requests: as large as a batch file may be
+        await bounded_body(request, st.settings.batch_max_file_bytes, "BATCH_MAX_FILE_BYTES"),
         strict=strict_mode(request),
         base_url=str(request.base_url),
         max_window_hours=st.settings.max_completion_window_hours(),
