@@ -136,7 +136,7 @@ class Settings(BaseSettings):
         description="the largest JSON body a route accepts (chat, completions, Responses, Messages, embeddings, "
         "scoring, key and model routes), refused with 413 request_too_large before it is read whole; as large as a "
         "batch line (BATCH_MAX_LINE_BYTES) by default. File uploads have their own limits (BATCH_MAX_FILE_BYTES); "
-        "a JSON weight write may be as large as BATCH_MAX_FILE_BYTES",
+        "a Message Batch's inline requests and a JSON weight write may be as large as BATCH_MAX_FILE_BYTES",
     )
     batch_pack_default: bool = Field(False, validation_alias=_env("BATCH_PACK_DEFAULT"))
     batch_max_completion_window: str = Field("168h", validation_alias=_env("BATCH_MAX_COMPLETION_WINDOW"))
