@@ -13,6 +13,7 @@ from ..protocol.parsing import parse_request
 from ..protocol.server import LeaseObject, LeaseReleased, LeaseRequest, RenewRequest
 from ..services.accounts import keys as accounts
 from ..services.batch_api import batches as batches_service
+from ..services.inference.checks import decode_json
 from .common import bounded_body, json_body, lease_header, state, strict_mode
 from .openapi import CHANGE_ERRORS, documented
 
@@ -44,7 +45,7 @@ async def take_lease(request: Request) -> dict[str, Any]:
 @documented(body=RenewRequest, body_required=False, ok=LeaseObject, errors=CHANGE_ERRORS, headers=("strict",))
 async def renew_lease(lease: str, request: Request) -> dict[str, Any]:
     raw = await bounded_body(request)
-    req = parse_request(RenewRequest, await json_body(request) if raw.strip() else {}, strict=strict_mode(request))
+    req = parse_request(RenewRequest, decode_json(raw) if raw.strip() else {}, strict=strict_mode(request))
     return state(request).ctx.leases.renew(lease, req.ttl_seconds).as_json()
 
 

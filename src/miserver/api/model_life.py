@@ -69,16 +69,15 @@ async def weights_write(request: Request) -> JSONResponse:
     """JSON ``{"tensor", "op", "value", "slice"?}``, or a safetensors file as the body (``Content-Type:
     application/octet-stream``; ``?op=set`` (default) or ``add``) whose tensors are written by name."""
     weights = state(request).residency.weights
+    limit = state(request).settings.batch_max_file_bytes  # a weight's values may be many megabytes
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in SAFETENSORS_TYPES:
         unknown = [k for k in request.query_params if k != "op"]
         if unknown:
             raise InvalidRequestError(f"Unknown query parameter '{unknown[0]}'.", param=unknown[0])
         op = request.query_params.get("op", "set")
-        limit = state(request).settings.batch_max_file_bytes
         body = await bounded_body(request, limit, "BATCH_MAX_FILE_BYTES")
         return _answer(await weights.write_safetensors(lease_header(request), body, op))
-    limit = state(request).settings.batch_max_file_bytes  # a weight's values may be many megabytes
     return _answer(await weights.write(lease_header(request), await json_body(request, limit, "BATCH_MAX_FILE_BYTES")))
 
 
