@@ -137,7 +137,8 @@ def documented(
     Raises ``ValueError`` for an error status without a meaning in :data:`ERROR_MEANINGS`, or when both ``ok`` and
     ``ok_media`` (or both ``body`` and ``form``) are given.
     """
-    statuses = tuple(sorted(set(errors)))
+    # a JSON body over MISERVER_MAX_REQUEST_BYTES (or a route's own limit) is a 413 on every route that reads one
+    statuses = tuple(sorted(set(errors) | ({413} if body is not None else set())))
     unknown = [s for s in statuses if s not in ERROR_MEANINGS]
     if unknown:
         raise ValueError(f"no meaning for error statuses {unknown}: add them to ERROR_MEANINGS")
