@@ -261,6 +261,9 @@ def test_message_name_is_refused(ctx: ServiceContext, strict: bool) -> None:
         (CHAT, {"store": True}, "store"),
         (CHAT, {"service_tier": "flex"}, "service_tier"),
         (CHAT, {"service_tier": "priority"}, "service_tier"),
+        (CHAT, {"verbosity": "low"}, "verbosity"),
+        (CHAT, {"verbosity": "medium"}, "verbosity"),  # OpenAI's default, yet no setting the resident model has
+        (CHAT, {"prompt_cache_key": "tenant-7"}, "prompt_cache_key"),
     ],
 )
 def test_fields_that_ask_for_what_the_server_does_not_do_are_refused(
@@ -283,6 +286,8 @@ def test_fields_that_ask_for_what_the_server_does_not_do_are_refused(
         (CHAT, {"service_tier": "auto"}),
         (CHAT, {"service_tier": "default"}),
         (CHAT, {"user": "u1", "metadata": {"k": "v"}}),
+        (CHAT, {"safety_identifier": "5f2c0e", "user": "u1"}),
+        (CHAT, {"verbosity": None, "prompt_cache_key": None}),
         (CHAT, {"parallel_tool_calls": True, "tool_choice": "none"}),
         (CHAT, {"response_format": {"type": "text"}}),
         (TEXT, {"user": "u1"}),
@@ -294,6 +299,34 @@ def test_fields_that_change_nothing_are_accepted(ctx: ServiceContext, endpoint: 
     body = {**BASE[endpoint], **change}
     assert sync_error(ctx, endpoint, body, strict=True) is None
     assert line_error(ctx, endpoint, body)[1] is None
+
+
+def test_the_prompt_cache_key_refusal_says_there_is_no_prompt_cache(ctx: ServiceContext) -> None:
+    err = sync_error(ctx, CHAT, {**BASE[CHAT], "prompt_cache_key": "tenant-7"})
+    assert err is not None and "no prompt cache" in err.message
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "param"),
+    [
+        ({"safety_identifier": 5}, "invalid_type", "safety_identifier"),
+        ({"prompt_cache_key": ["a"]}, "invalid_type", "prompt_cache_key"),
+        ({"verbosity": 1}, "invalid_value", "verbosity"),
+        ({"verbosity": "terse"}, "invalid_value", "verbosity"),
+    ],
+)
+def test_newer_openai_fields_of_the_wrong_type_are_named(
+    ctx: ServiceContext, change: dict[str, Any], code: str, param: str
+) -> None:
+    """``safety_identifier``, ``prompt_cache_key`` and ``verbosity`` are declared: a bad value is a 400 naming the
+    field in both modes and in a batch line, never an unknown field ignored or a refusal of a field nobody sent."""
+    body = {**BASE[CHAT], **change}
+    for strict in (False, True):
+        err = sync_error(ctx, CHAT, body, strict=strict)
+        assert err is not None and (err.code, err.param) == (code, param), err
+    _, line_err = line_error(ctx, CHAT, body)
+    assert line_err is not None and (line_err.code, line_err.param) == (code, in_line(param))
+    assert line_err.message == err.message
 
 
 def test_max_tokens_and_max_completion_tokens_that_differ_are_refused(ctx: ServiceContext) -> None:

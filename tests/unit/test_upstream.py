@@ -21,9 +21,10 @@ from miserver.engines.upstream.pool import UpstreamPool
 from miserver.engines.upstream.retry import Answer, RetryPolicy, retry_after, send
 from miserver.errors import ModelNotFoundError, UpstreamUnavailableError
 from miserver.scheduling.admission import AdmissionGate, Priority
+from miserver.services.inference import chat
 from miserver.services.inference import routing as service
 from miserver.services.inference.chat import parse
-from miserver.services.inference.context import Call, ServiceContext, StreamResult, StreamUsage
+from miserver.services.inference.context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage
 
 
 def test_entries_with_options_and_the_problems_of_bad_ones() -> None:
@@ -270,6 +271,33 @@ async def test_a_stream_through_the_gateway_is_counted_whether_or_not_the_client
         [{"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}] if include_usage else []
     )
     assert (result.usage.known, result.usage.prompt_tokens, result.usage.completion_tokens) == (True, 7, 2)
+    await gw.upstreams[0].close()
+
+
+async def test_fields_the_resident_engine_refuses_go_to_an_upstream_as_sent() -> None:
+    """``verbosity`` and ``prompt_cache_key`` (refused by the resident engine) and ``safety_identifier`` pass the
+    strict checks of a request for an upstream model and reach the upstream in the body, unchanged."""
+    bodies: list[dict[str, object]] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
+        bodies.append(json.loads(request.content))
+        choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        answer = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice]}
+        return httpx.Response(200, json={**answer, "usage": usage})
+
+    gw = Gateway([parse_entry("a=http://a.test:1")], Timeouts(), RetryPolicy(max_attempts=1, base=0.001))
+    gw.upstreams[0].client = httpx.AsyncClient(base_url="http://a.test:1/v1", transport=httpx.MockTransport(upstream))
+    await gw.refresh()
+    ctx = ServiceContext(engine=None, gate=AdmissionGate(), gateway=gw)
+    fields = {"verbosity": "high", "prompt_cache_key": "tenant-7", "safety_identifier": "5f2c0e"}
+    body: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    assert isinstance(chat.check(ctx, body, strict=True)[1], UpstreamPool)  # batch validation's check passes
+    result = await chat.create(ctx, body, Call(strict=True))
+    assert isinstance(result, ServiceResult) and result.status_code == 200
+    assert bodies == [body]
     await gw.upstreams[0].close()
 
 

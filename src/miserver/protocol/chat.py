@@ -116,7 +116,10 @@ class StreamOptions(RequestModel):
 
 
 class ChatCompletionRequest(RequestModel):
-    """The request body. Fields the resident engine cannot honour are declared so that they are refused by name."""
+    """The request body. Fields the resident engine cannot honour are declared so that they are refused by name
+    (``reasoning_effort``, ``verbosity``, ``prompt_cache_key``...: the chat service's ``UNSUPPORTED_FIELDS``);
+    ``user`` and ``safety_identifier`` (an end user's id, for a provider's abuse monitoring) change nothing in the
+    answer and are accepted. A request for an upstream model goes there with every field as sent."""
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -145,6 +148,9 @@ class ChatCompletionRequest(RequestModel):
     audio: Any = None
     prediction: Any = None
     reasoning_effort: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None

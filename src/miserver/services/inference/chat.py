@@ -59,6 +59,8 @@ UNSUPPORTED_FIELDS = (
     "audio",
     "prediction",
     "reasoning_effort",
+    "verbosity",
+    "prompt_cache_key",
     "store",
     "service_tier",
 )

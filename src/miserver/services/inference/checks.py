@@ -33,6 +33,11 @@ def decode_json(raw: bytes) -> Any:
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 #: ``service_tier`` values that ask for nothing but the one tier this server has.
 NEUTRAL_SERVICE_TIERS = ("auto", "default")
+#: Why a refused field cannot be honoured, where "not supported by this server" alone would leave the reader asking.
+REFUSAL_REASONS = {
+    "prompt_cache_key": "there is no prompt cache here, so there is nothing for the key to route",
+    "verbosity": "the resident model has no verbosity setting",
+}
 
 
 def check_response_format(value: dict[str, Any]) -> None:
@@ -53,7 +58,8 @@ def refuse_unsupported(fields: dict[str, Any]) -> None:
 
     ``fields`` maps a request's field names to their values. A field is refused when it asks for behaviour the
     engine lacks (tools, function calling, non-text response formats, logit bias, penalties, audio, suffix,
-    best_of > n, a stored completion, a service tier other than the one there is); neutral values (``None``,
+    best_of > n, a stored completion, a service tier other than the one there is, reasoning effort, verbosity, a
+    prompt cache key); neutral values (``None``,
     empty, 0, ``{"type": "text"}``, ``store: false``, ``service_tier: "auto"``) are accepted. A ``response_format``
     of no known type is 400 ``invalid_value`` on ``response_format.type``.
     """
@@ -78,7 +84,10 @@ def refuse_unsupported(fields: dict[str, Any]) -> None:
             continue
         if name == "modalities" and value == ["text"]:
             continue
-        raise UnsupportedParameterError(f"Unsupported parameter: '{name}' is not supported by this server.", param=name)
+        reason = f": {REFUSAL_REASONS[name]}" if name in REFUSAL_REASONS else ""
+        raise UnsupportedParameterError(
+            f"Unsupported parameter: '{name}' is not supported by this server{reason}.", param=name
+        )
 
 
 def refuse_message_names(messages: Sequence[Any]) -> None:
