@@ -368,7 +368,7 @@ def test_result_lines() -> None:
 )
 def test_create_refusals(payload: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as info:
-        message_batches.check_create(json.dumps(payload).encode(), strict=True)
+        message_batches.check_create(json.dumps(payload).encode())
     assert (info.value.status_code, info.value.param) == (400, param)
 
 
@@ -376,7 +376,7 @@ def test_create_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(message_batches, "MAX_BATCH_BYTES", 64)
     big = json.dumps({"requests": [{"custom_id": "a", "params": {"x": "y" * 64}}]}).encode()
     with pytest.raises(APIError) as info:
-        message_batches.check_create(big, strict=False)
+        message_batches.check_create(big)
     assert info.value.status_code == 413
     assert info.value.anthropic_envelope()["error"]["type"] == "request_too_large"
 

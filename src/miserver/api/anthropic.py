@@ -112,15 +112,15 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
 
 
 @router.post(BATCHES)
-@documented(body=MessageBatchCreateRequest, ok=MessageBatch, errors=(400, 409, 413, 500), headers=("strict", "lease"))
+@documented(body=MessageBatchCreateRequest, ok=MessageBatch, errors=(400, 409, 413, 500), headers=("lease",))
 async def create_message_batch(request: Request) -> dict[str, Any]:
-    """A new Message Batch (``in_progress``) over the inline ``requests``."""
+    """A new Message Batch (``in_progress``) over the inline ``requests``. The body is parsed strictly whatever
+    ``X-miLLM-Strict`` says: an unknown field is 400 naming it."""
     st = state(request)
     answer = await message_batches.create(
         st.store,
         # inline requests: as large as a batch file may be
         await bounded_body(request, st.settings.batch_max_file_bytes, "BATCH_MAX_FILE_BYTES"),
-        strict=strict_mode(request),
         base_url=str(request.base_url),
         max_window_hours=st.settings.max_completion_window_hours(),
         pack_default=st.settings.batch_pack_default,

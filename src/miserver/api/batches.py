@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from ..protocol.batches import Batch, BatchCreateRequest, BatchList
 from ..services.batch_api import batches as service
 from ..services.batch_api.batches import batch_object
-from .common import bounded_body, lease_header, list_object, state, strict_mode
+from .common import bounded_body, lease_header, list_object, state
 from .openapi import CHANGE_ERRORS, LOOKUP_ERRORS, documented
 
 __all__ = ["batch_object", "router"]
@@ -19,13 +19,13 @@ router = APIRouter()
 
 
 @router.post("/v1/batches")
-@documented(body=BatchCreateRequest, ok=Batch, errors=(400, 404, 409, 500), headers=("strict", "lease", "idempotency"))
+@documented(body=BatchCreateRequest, ok=Batch, errors=(400, 404, 409, 500), headers=("lease", "idempotency"))
 async def create_batch(request: Request) -> dict[str, Any]:
-    """The new Batch in ``validating`` (or the first answer again for a retry under the same Idempotency-Key)."""
+    """The new Batch in ``validating`` (or the first answer again for a retry under the same Idempotency-Key). The
+    body is parsed strictly whatever ``X-miLLM-Strict`` says: an unknown field is 400 ``unknown_parameter``."""
     st = state(request)
     form = service.BatchCreate(
         raw=await bounded_body(request),
-        strict=strict_mode(request),
         caller_lease=lease_header(request),
         idempotency_key=request.headers.get("idempotency-key"),
     )

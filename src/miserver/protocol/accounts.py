@@ -6,19 +6,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, RootModel
+from pydantic import Field, RootModel
 
-from .common import RequestModel, ResponseModel
+from .common import ALWAYS_STRICT, RequestModel, ResponseModel
 
 #: The longest key name, in characters.
 MAX_KEY_NAME_CHARS = 128
 #: The largest amount of money or quota a request may set (2**53 - 1: exact in every JSON reader, and far from the
 #: 64-bit columns' end however often a balance is topped up).
 MAX_AMOUNT = 2**53 - 1
-#: Unknown fields are kept (extra="allow") so that the parse names the first one with 400 ``unknown_parameter``; the
-#: parse is always strict, so the document says that no other field is accepted.
-ALWAYS_STRICT = ConfigDict(strict=True, extra="allow", frozen=True, json_schema_extra={"additionalProperties": False})
-
 
 #: What a key may be allowed to use (OpenAI's project keys have permissions alike): ``inference`` (the synchronous
 #: inference routes and the model list), ``batches`` (Batches and Message Batches), ``files`` (the Files API),

@@ -16,7 +16,7 @@ from pydantic import AfterValidator, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
 from .anthropic_tools import ToolChoice, ToolUnion
-from .common import RequestModel, ResponseModel
+from .common import ALWAYS_STRICT, RequestModel, ResponseModel
 
 #: Content block types of Anthropic's API that a text-only server cannot read or produce, with their refusal words.
 UNREADABLE_BLOCKS = {
@@ -283,14 +283,19 @@ MAX_BATCH_BYTES = 256 * 1024 * 1024
 
 class MessageBatchRequestItem(RequestModel):
     """One request of a Message Batch: its ``custom_id`` and the Messages body (``params``), checked when the batch
-    is validated (an invalid ``params`` becomes an ``errored`` result, as a batch line)."""
+    is validated (an invalid ``params`` becomes an ``errored`` result, as a batch line). Always strict."""
+
+    model_config = ALWAYS_STRICT
 
     custom_id: str
     params: dict[str, Any]
 
 
 class MessageBatchCreateRequest(RequestModel):
-    """``POST /anthropic/v1/messages/batches``: the requests, inline."""
+    """``POST /anthropic/v1/messages/batches``: the requests, inline. Always strict, as Anthropic's: an unknown field
+    (here or in a request item) is 400 naming it, whatever ``X-miLLM-Strict`` says."""
+
+    model_config = ALWAYS_STRICT
 
     requests: list[MessageBatchRequestItem] = Field(min_length=1, max_length=MAX_BATCH_REQUESTS)
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, InstanceOf
 
-from .common import RequestModel, ResponseModel
+from .common import ALWAYS_STRICT, RequestModel, ResponseModel
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -40,12 +40,19 @@ BATCH_ENDPOINTS: tuple[str, ...] = (
 
 
 class OutputExpiresAfter(RequestModel):
+    """``output_expires_after`` of a batch create: the output files expire ``seconds`` after the batch's creation."""
+
+    model_config = ALWAYS_STRICT
+
     anchor: Literal["created_at"]
     seconds: int = Field(ge=3600, le=2_592_000)
 
 
 class BatchCreateRequest(RequestModel):
-    """``POST /v1/batches``. ``completion_window`` is ``"24h"`` or whole hours ``"1h"``-``"168h"``."""
+    """``POST /v1/batches``. ``completion_window`` is ``"24h"`` or whole hours ``"1h"``-``"168h"``. Always strict, as
+    OpenAI's: an unknown field is 400 ``unknown_parameter`` naming it, whatever ``X-miLLM-Strict`` says."""
+
+    model_config = ALWAYS_STRICT
 
     input_file_id: str
     endpoint: str

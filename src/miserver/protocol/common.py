@@ -22,6 +22,12 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", frozen=True, allow_inf_nan=False)
 
 
+#: The config of a request model whose parse is always strict (management calls: keys, batch creation). Unknown
+#: fields are kept (extra="allow") so that the parse names the first one with 400 ``unknown_parameter``; the
+#: document says that no other field is accepted.
+ALWAYS_STRICT = ConfigDict(strict=True, extra="allow", frozen=True, json_schema_extra={"additionalProperties": False})
+
+
 class ResponseModel(BaseModel):
     """Base of every response body."""
 

@@ -55,11 +55,10 @@ LIVE_STATUSES: tuple[str, ...] = tuple(s for s in BATCH_STATUSES if s not in TER
 
 @dataclass(frozen=True)
 class BatchCreate:
-    """A ``POST /v1/batches`` as received: the body's bytes (decoded only after an idempotent replay is ruled out),
-    strict mode (``X-miLLM-Strict``), the caller's lease (``X-miLLM-Lease``) and the ``Idempotency-Key``."""
+    """A ``POST /v1/batches`` as received: the body's bytes (decoded only after an idempotent replay is ruled out;
+    parsed strictly), the caller's lease (``X-miLLM-Lease``) and the ``Idempotency-Key``."""
 
     raw: bytes
-    strict: bool = False
     caller_lease: str | None = None
     idempotency_key: str | None = None
 
@@ -106,11 +105,12 @@ def check_input_file(record: FileRecord | None, file_id: str, at: int) -> None:
         raise InvalidRequestError(f"The file {file_id} has expired.", param="input_file_id")
 
 
-def check(body: Any, *, strict: bool, max_window_hours: int) -> tuple[BatchCreateRequest, int]:
-    """Parse and check a create body (decoded JSON): the request model (strict when asked), then
-    :func:`check_request`. Returns the request and its window in hours; raises 400 naming the param.
-    ``output_expires_after`` bounds are the request model's (3600..2592000 s)."""
-    req = parse_request(BatchCreateRequest, body, strict=strict)
+def check(body: Any, *, max_window_hours: int) -> tuple[BatchCreateRequest, int]:
+    """Parse and check a create body (decoded JSON): the request model, always strict (an unknown field is 400
+    ``unknown_parameter`` naming it, as OpenAI refuses it), then :func:`check_request`. Returns the request and its
+    window in hours; raises 400 naming the param. ``output_expires_after`` bounds are the request model's
+    (3600..2592000 s)."""
+    req = parse_request(BatchCreateRequest, body, strict=True)
     return req, check_request(req, max_window_hours=max_window_hours)
 
 
@@ -204,7 +204,7 @@ async def create_batch(
     request = Keyed(accounts.keyed_route("batches"), check_key(form.idempotency_key), form.fingerprint())
 
     async def create(conn: AsyncConnection) -> dict[str, Any]:
-        req, hours = check(decode_json(form.raw), strict=form.strict, max_window_hours=max_window_hours)
+        req, hours = check(decode_json(form.raw), max_window_hours=max_window_hours)
         return await insert_checked(
             conn, req, hours, caller_lease=form.caller_lease, pack_default=pack_default, prices=prices
         )

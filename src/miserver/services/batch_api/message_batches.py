@@ -146,16 +146,17 @@ async def _get(store: Store, message_batch_id: str) -> tuple[BatchRecord, int]:
 # -- operations ------------------------------------------------------------------------------------------------------
 
 
-def check_create(raw: bytes, *, strict: bool) -> MessageBatchCreateRequest:
+def check_create(raw: bytes) -> MessageBatchCreateRequest:
     """Parse a create body: 413 over 256 MB; 400 for the JSON, the schema (1-100,000 requests, each
-    ``{custom_id, params}``), a ``custom_id`` not of 1-64 letters, digits, ``-``, ``_``, or used twice. The
+    ``{custom_id, params}``; always strict: an unknown field, of the body or of a request, is 400
+    ``unknown_parameter`` naming it), a ``custom_id`` not of 1-64 letters, digits, ``-``, ``_``, or used twice. The
     ``params`` are checked when the batch is validated (an invalid one becomes an ``errored`` result)."""
     if len(raw) > MAX_BATCH_BYTES:
         raise PayloadTooLargeError(
             f"The request body is {len(raw)} bytes; a Message Batch may be at most {MAX_BATCH_BYTES} bytes.",
             code="request_too_large",
         )
-    req = parse_request(MessageBatchCreateRequest, decode_json(raw), strict=strict)
+    req = parse_request(MessageBatchCreateRequest, decode_json(raw), strict=True)
     seen: set[str] = set()
     for i, item in enumerate(req.requests):
         param = f"requests[{i}].custom_id"
@@ -188,7 +189,6 @@ async def create(
     store: Store,
     raw: bytes,
     *,
-    strict: bool,
     base_url: str,
     max_window_hours: int,
     pack_default: bool,
@@ -199,7 +199,7 @@ async def create(
     """Create a Message Batch: its requests become an input file, and a batch on ``/anthropic/v1/messages`` is
     created over it by the batches service (the caller then wakes the runner; the batch keeps the batch prices of
     ``prices`` as they are now). Both belong to the calling key. Returns the Message Batch."""
-    req = check_create(raw, strict=strict)
+    req = check_create(raw)
     created = now()
     async with store.tx() as conn:
         record = await store_files.insert_file(
