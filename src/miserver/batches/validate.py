@@ -265,7 +265,7 @@ class Validator:
                 return False
             await store_rows.delete_rows(conn, batch.id, worker=self.worker)  # a validation cut short starts over
             record = await store_files.get_file(conn, batch.input_file_id)
-        if record is None:
+        if record is None:  # a guard: the API never deletes the input of a batch that has not finished
             raise BatchFailure(
                 "file_not_found", f"The input file {batch.input_file_id} no longer exists.", "input_file_id"
             )

@@ -145,11 +145,16 @@ async def create_empty(
 async def get_file(conn: AsyncConnection, file_id: str, *, lock: bool = False) -> FileRecord | None:
     """The record of ``file_id`` (also after its content was pruned); None when there is none.
 
-    ``lock`` takes the row's write lock until the transaction ends (``FOR UPDATE`` on PostgreSQL; SQLite serialises
-    writers): a batch create that reads its input file and a delete of that file then run one after the other, so a
-    file is never deleted under a batch created at the same moment.
+    ``lock`` takes the row's write lock until the transaction ends, before reading it: a batch create that reads its
+    input file and a delete of that file then run one after the other, so a file is never deleted under a batch
+    created at the same moment. On PostgreSQL that is ``FOR UPDATE``. SQLite has no row locks and starts a
+    transaction only at its first write (a read before it sees the database as it is at that moment, and another
+    connection may commit a delete before this one writes), so there the read follows an update that changes
+    nothing: it takes the database's one write lock, which the other writer then waits for.
     """
     q = select(files).where(files.c.id == file_id)
+    if lock and conn.dialect.name == "sqlite":
+        await conn.execute(update(files).where(files.c.id == file_id).values(purpose=files.c.purpose))
     row = (await conn.execute(q.with_for_update() if lock else q)).first()
     return FileRecord.from_row(row) if row else None
 

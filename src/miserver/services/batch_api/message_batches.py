@@ -294,7 +294,10 @@ async def delete(store: Store, message_batch_id: str) -> dict[str, Any]:
         if REQUESTS_KEY in (batch.metadata or {}):
             owned.append(batch.input_file_id)
         for file_id in owned:
-            if file_id is not None and await store_files.referencing_active_batch(conn, file_id) is None:
+            if file_id is None:
+                continue
+            await store_files.get_file(conn, file_id, lock=True)  # a batch create over the file waits for this delete
+            if await store_files.referencing_active_batch(conn, file_id) is None:
                 await store_files.delete_file(conn, file_id)
     return DeletedMessageBatch(id=message_batch_id).model_dump()
 
