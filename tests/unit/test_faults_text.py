@@ -263,7 +263,6 @@ def test_message_name_is_refused(ctx: ServiceContext, strict: bool) -> None:
         (CHAT, {"service_tier": "priority"}, "service_tier"),
         (CHAT, {"verbosity": "low"}, "verbosity"),
         (CHAT, {"verbosity": "medium"}, "verbosity"),  # OpenAI's default, yet no setting the resident model has
-        (CHAT, {"prompt_cache_key": "tenant-7"}, "prompt_cache_key"),
     ],
 )
 def test_fields_that_ask_for_what_the_server_does_not_do_are_refused(
@@ -287,6 +286,7 @@ def test_fields_that_ask_for_what_the_server_does_not_do_are_refused(
         (CHAT, {"service_tier": "default"}),
         (CHAT, {"user": "u1", "metadata": {"k": "v"}}),
         (CHAT, {"safety_identifier": "5f2c0e", "user": "u1"}),
+        (CHAT, {"prompt_cache_key": "tenant-7"}),
         (CHAT, {"verbosity": None, "prompt_cache_key": None}),
         (CHAT, {"parallel_tool_calls": True, "tool_choice": "none"}),
         (CHAT, {"response_format": {"type": "text"}}),
@@ -301,9 +301,13 @@ def test_fields_that_change_nothing_are_accepted(ctx: ServiceContext, endpoint: 
     assert line_error(ctx, endpoint, body)[1] is None
 
 
-def test_the_prompt_cache_key_refusal_says_there_is_no_prompt_cache(ctx: ServiceContext) -> None:
-    err = sync_error(ctx, CHAT, {**BASE[CHAT], "prompt_cache_key": "tenant-7"})
-    assert err is not None and "no prompt cache" in err.message
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_prompt_cache_key_is_accepted_as_user_and_safety_identifier_are(ctx: ServiceContext, strict: bool) -> None:
+    """``prompt_cache_key`` is a hint for a provider's prompt cache that changes nothing in the output, as OpenAI
+    defines it: chat accepts it in both modes and in a batch line, as the Responses API does."""
+    body = {**BASE[CHAT], "prompt_cache_key": "tenant-7", "safety_identifier": "5f2c0e", "user": "u1"}
+    assert sync_error(ctx, CHAT, body, strict=strict) is None
+    assert line_error(ctx, CHAT, body)[1] is None
 
 
 @pytest.mark.parametrize(
@@ -311,6 +315,7 @@ def test_the_prompt_cache_key_refusal_says_there_is_no_prompt_cache(ctx: Service
     [
         ({"safety_identifier": 5}, "invalid_type", "safety_identifier"),
         ({"prompt_cache_key": ["a"]}, "invalid_type", "prompt_cache_key"),
+        ({"prompt_cache_key": 7}, "invalid_type", "prompt_cache_key"),
         ({"verbosity": 1}, "invalid_value", "verbosity"),
         ({"verbosity": "terse"}, "invalid_value", "verbosity"),
     ],

@@ -8,18 +8,20 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
+from miserver.engines.base import EngineInfo
 from miserver.engines.upstream.client import ServedModel, Upstream, read_models
 from miserver.engines.upstream.config import Timeouts, parse_entry, parse_upstreams
 from miserver.engines.upstream.errors import normalize_error, stream_error
 from miserver.engines.upstream.gateway import Gateway, KnownUpstream, OnModels
 from miserver.engines.upstream.pool import UpstreamPool
 from miserver.engines.upstream.retry import Answer, RetryPolicy, retry_after, send
-from miserver.errors import ModelNotFoundError, UpstreamUnavailableError
+from miserver.errors import ModelNotFoundError, UnsupportedParameterError, UpstreamUnavailableError
 from miserver.scheduling.admission import AdmissionGate, Priority
 from miserver.services.inference import chat
 from miserver.services.inference import routing as service
@@ -274,9 +276,10 @@ async def test_a_stream_through_the_gateway_is_counted_whether_or_not_the_client
     await gw.upstreams[0].close()
 
 
-async def test_fields_the_resident_engine_refuses_go_to_an_upstream_as_sent() -> None:
-    """``verbosity`` and ``prompt_cache_key`` (refused by the resident engine) and ``safety_identifier`` pass the
-    strict checks of a request for an upstream model and reach the upstream in the body, unchanged."""
+async def test_fields_the_resident_engine_refuses_or_ignores_go_to_an_upstream_as_sent() -> None:
+    """``verbosity`` (refused by the resident engine), ``prompt_cache_key`` and ``safety_identifier`` (accepted there
+    without effect) pass the strict checks of a request for an upstream model and reach the upstream in the body,
+    unchanged."""
     bodies: list[dict[str, object]] = []
 
     def upstream(request: httpx.Request) -> httpx.Response:
@@ -291,10 +294,17 @@ async def test_fields_the_resident_engine_refuses_go_to_an_upstream_as_sent() ->
     gw = Gateway([parse_entry("a=http://a.test:1")], Timeouts(), RetryPolicy(max_attempts=1, base=0.001))
     gw.upstreams[0].client = httpx.AsyncClient(base_url="http://a.test:1/v1", transport=httpx.MockTransport(upstream))
     await gw.refresh()
-    ctx = ServiceContext(engine=None, gate=AdmissionGate(), gateway=gw)
+    resident = SimpleNamespace(info=EngineInfo("tiny", "serial", "float32", "sha256:0", 512, hidden_size=8))
+    ctx = ServiceContext(engine=resident, gate=AdmissionGate(), gateway=gw)  # type: ignore[arg-type]
     fields = {"verbosity": "high", "prompt_cache_key": "tenant-7", "safety_identifier": "5f2c0e"}
     body: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     assert isinstance(chat.check(ctx, body, strict=True)[1], UpstreamPool)  # batch validation's check passes
+    on_resident = {**body, "model": "tiny"}
+    with pytest.raises(UnsupportedParameterError) as refused:
+        chat.check(ctx, on_resident, strict=True)
+    assert refused.value.param == "verbosity"
+    del on_resident["verbosity"]
+    assert chat.check(ctx, on_resident, strict=True)[1] is resident  # the other two change nothing there
     result = await chat.create(ctx, body, Call(strict=True))
     assert isinstance(result, ServiceResult) and result.status_code == 200
     assert bodies == [body]

@@ -117,9 +117,10 @@ class StreamOptions(RequestModel):
 
 class ChatCompletionRequest(RequestModel):
     """The request body. Fields the resident engine cannot honour are declared so that they are refused by name
-    (``reasoning_effort``, ``verbosity``, ``prompt_cache_key``...: the chat service's ``UNSUPPORTED_FIELDS``);
-    ``user`` and ``safety_identifier`` (an end user's id, for a provider's abuse monitoring) change nothing in the
-    answer and are accepted. A request for an upstream model goes there with every field as sent."""
+    (``reasoning_effort``, ``verbosity``...: the chat service's ``UNSUPPORTED_FIELDS``); ``user``,
+    ``safety_identifier`` (an end user's id, for a provider's abuse monitoring) and ``prompt_cache_key`` (a hint for
+    a provider's prompt cache) change nothing in the answer and are accepted. A request for an upstream model goes
+    there with every field as sent."""
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)

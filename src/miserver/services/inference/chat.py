@@ -60,7 +60,6 @@ UNSUPPORTED_FIELDS = (
     "prediction",
     "reasoning_effort",
     "verbosity",
-    "prompt_cache_key",
     "store",
     "service_tier",
 )

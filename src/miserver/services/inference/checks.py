@@ -35,7 +35,6 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 NEUTRAL_SERVICE_TIERS = ("auto", "default")
 #: Why a refused field cannot be honoured, where "not supported by this server" alone would leave the reader asking.
 REFUSAL_REASONS = {
-    "prompt_cache_key": "there is no prompt cache here, so there is nothing for the key to route",
     "verbosity": "the resident model has no verbosity setting",
 }
 
@@ -54,14 +53,15 @@ def check_response_format(value: dict[str, Any]) -> None:
 
 
 def refuse_unsupported(fields: dict[str, Any]) -> None:
-    """Raise 400 ``unsupported_parameter`` for the first field the resident engine cannot honour.
+    """Raise 400 ``unsupported_parameter`` for the first of ``fields`` whose value is not neutral.
 
-    ``fields`` maps a request's field names to their values. A field is refused when it asks for behaviour the
-    engine lacks (tools, function calling, non-text response formats, logit bias, penalties, audio, suffix,
-    best_of > n, a stored completion, a service tier other than the one there is, reasoning effort, verbosity, a
-    prompt cache key); neutral values (``None``,
-    empty, 0, ``{"type": "text"}``, ``store: false``, ``service_tier: "auto"``) are accepted. A ``response_format``
-    of no known type is 400 ``invalid_value`` on ``response_format.type``.
+    ``fields`` maps request field names to their values, in order: the fields a service refuses on the resident
+    engine, as the request carried them. A neutral value asks for nothing the engine would do otherwise and is
+    accepted: ``None``; an empty ``functions``, ``tools``, ``logit_bias`` or ``modalities``; ``modalities:
+    ["text"]``; ``store: false``; ``service_tier`` ``"auto"``/``"default"``; ``function_call`` or ``tool_choice``
+    ``"none"``/``"auto"``; ``best_of: 1``; a penalty of 0; ``response_format: {"type": "text"}``; any
+    ``parallel_tool_calls``. Any other value is refused by name, with its :data:`REFUSAL_REASONS` entry where it has
+    one. A ``response_format`` of no known type is 400 ``invalid_value`` on ``response_format.type``.
     """
     for name, value in fields.items():
         if value is None:
