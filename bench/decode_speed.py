@@ -18,7 +18,9 @@ Variants: ``transformers`` (HFSlots), ``slots`` (SlotModel, float32), ``slots-t`
 (SlotModel with bfloat16 copies prepacked for oneDNN, the products in bfloat16 and the rest in float32: the served
 default where the CPU multiplies bfloat16 natively), ``slots-bf16`` (SlotModel over a bfloat16 copy of the whole
 model: measured, not served), ``slots-compiled`` (SlotModel with ``torch.compile``: minutes of compiling on a first
-run, not in the default list). The greedy tokens of each variant are compared with the first variant's.
+run, not in the default list), ``served`` (the server's default, ``decoding.DEFAULT_DECODE``: a 4-bit model's
+matrices in 4 bits for steps of a few rows) and ``served-float`` (the same without the 4-bit products). The greedy
+tokens of each variant are compared with the first variant's.
 
     python bench/decode_speed.py
     python bench/decode_speed.py --variants transformers,slots,slots-compiled --engine-rounds 0
@@ -38,6 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from miserver.engines.base import GenerationRequest, SamplingParams  # noqa: E402
-from miserver.engines.local.decoding import DecodeOptions  # noqa: E402
+from miserver.engines.local.decoding import DEFAULT_DECODE, DecodeOptions, make_slots  # noqa: E402
 from miserver.engines.local.engine import LocalEngine  # noqa: E402
 from miserver.engines.local.hf_cache import HFSlots  # noqa: E402
 from miserver.engines.local.slots import SlotModel  # noqa: E402
@@ -141,6 +144,8 @@ async def main() -> None:
         "slots-p": lambda: SlotModel(model, max_positions=context, weights="packed"),
         "slots-b": lambda: SlotModel(model, max_positions=context, weights="bfloat16"),
         "slots-compiled": lambda: SlotModel(model, max_positions=context, compile=True),
+        "served": lambda: make_slots(model, context, DEFAULT_DECODE),
+        "served-float": lambda: make_slots(model, context, replace(DEFAULT_DECODE, int4_rows=0)),
     }
     if bf16 is not None:
         makers["slots-bf16"] = lambda: SlotModel(bf16, max_positions=context)

@@ -13,10 +13,10 @@ values then copied into the slot. The forward is embedding, RMSNorm, rotary embe
 the static cache (in a decode step, the native kernel of ``attention.py`` over each slot's own columns, where it
 builds; else torch's fused attention over the longest slot's, masked), SwiGLU MLP, final norm and output head, each
 read from the transformers model at every step (weight edits on the resident model are seen at the next step). Its
-logits differ from transformers' in the last bits (another attention kernel; with bfloat16 weights, in the products'
-rounding too), so greedy tokens agree with transformers for typical prompts but not bit for bit. Under the kernel a
-slot decoded beside others gets the bits of its step alone wherever :meth:`SlotModel.independent_rows` says so;
-under torch's attention, within rounding.
+logits differ from transformers' in the last bits (another attention kernel; with bfloat16 weights or 4-bit products,
+in the products' rounding too), so greedy tokens agree with transformers for typical prompts but not bit for bit.
+Under the kernel a slot decoded beside others gets the bits of its step alone wherever
+:meth:`SlotModel.independent_rows` says so; under torch's attention, within rounding.
 
 Everything here is synchronous and runs under ``torch.inference_mode`` on the engine's thread.
 """
@@ -44,10 +44,13 @@ from miserver.engines.local.llama_ops import (
     rows_computed_alone,
 )
 from miserver.engines.local.slot_weights import (
+    Int4Matrix,
     Layer,
+    Matrix,
     WeightCopies,
     WeightLayout,
     bfloat16_available,
+    int4_available,
     packing_available,
 )
 
@@ -117,6 +120,7 @@ class SlotModel:
         attention: AttentionKind = "sdpa",
         kv_cache: KVCacheKind = "model",
         kernel_folder: Path | None = None,
+        int4_rows: int = 0,
     ) -> None:
         if not supported(model):
             raise ValueError(f"the slot forward does not cover {type(model).__name__} ({model.config.model_type})")
@@ -148,6 +152,9 @@ class SlotModel:
         if weights == "packed" and not packing_available(device, dtype):
             weights = "transposed" if device.type == "cpu" else "view"
         self.weights: WeightLayout = weights
+        four = int4_available(device) and dtype == torch.float32 and not compile and weights != "view"
+        #: decode steps of at most this many rows multiply 4-bit matrices in 4 bits (0: never)
+        self.int4_rows = int4_rows if four and self._has_int4() else 0
         #: the native decode attention, or None: torch's
         self._kernel: attention_kernel.DecodeAttention | None = None
         covered = attention_kernel.DecodeAttention.covers(self.heads, self.kv_heads, self.head_dim, dtype, device)
@@ -157,9 +164,10 @@ class SlotModel:
         self.kv_cache: KVCacheKind = kv_cache if self._kernel is not None else "model"
         self.kv_dtype = torch.bfloat16 if self.kv_cache == "bfloat16" else dtype
         log.info(
-            "slot forward: decode step weights %s%s, attention %s, KV cache %s",
+            "slot forward: decode step weights %s%s%s, attention %s, KV cache %s",
             weights,
             f" ({asked} is not available here)" * (asked != weights),
+            f", 4-bit matrices in 4 bits in steps of up to {self.int4_rows} rows" * (self.int4_rows > 0),
             self.attention,
             self.kv_dtype,
         )
@@ -269,9 +277,10 @@ class SlotModel:
         """The decode forward's row-wise operations on ``x`` (``[rows, hidden]``) at ``positions`` (``[rows]``),
         with layer 0's weights and the output head in the decode step's layout: one layer without attention (whose
         input stands in for the attention's output), then the final norm and the logits."""
-        layer = self._copies.layers(self.weights)[0]
-        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         b = x.shape[0]
+        int4 = b <= self.int4_rows
+        layer = self._copies.layers(self.weights, int4=int4)[0]
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         cos, sin = self._cos[positions], self._sin[positions]
         q, k, v = project_all(rms_norm(x, layer.norm_in, self.eps), layer.qkv)
         q = rotate(q.reshape(b, self.heads, self.head_dim), cos, sin)
@@ -281,7 +290,7 @@ class SlotModel:
         gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
         hidden = hidden + project(F.silu(gate) * up, layer.down, None)
         last = rms_norm(hidden, self._norm.weight, self._norm_eps)
-        logits = project(last, self._copies.matrix(head.weight, self.weights), head.bias).float()
+        logits = project(last, self._copies.matrix(head.weight, self.weights, int4=int4), head.bias).float()
         return k.to(self.kv_dtype), v, logits
 
     def release(self, slot: int) -> None:
@@ -318,7 +327,9 @@ class SlotModel:
         seen = torch.ones(rows, dtype=torch.long, device=device)
         seen[slot_t - lo] = pos_t + 1
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        layers, matrix = self._copies.layers(self.weights), self._copies.matrix(head.weight, self.weights)
+        int4 = len(slots) <= self.int4_rows
+        layers = self._copies.layers(self.weights, int4=int4)
+        matrix = self._copies.matrix(head.weight, self.weights, int4=int4)
         args = (tokens_t, slot_t, pos_t, seen, lo, max(lengths) + 1, layers, matrix)
         if self._compiled is not None:
             try:
@@ -337,7 +348,7 @@ class SlotModel:
         lo: int,
         width: int,
         layers: list[Layer],
-        head: torch.Tensor,
+        head: Matrix,
         head_bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """The decode forward of ``tokens`` (``[B]``) into the slots ``slot_t`` at positions ``pos_t`` (``[B]``),
@@ -422,6 +433,10 @@ class SlotModel:
         return F.embedding(tokens, table)
 
     # --- the cache --------------------------------------------------------------------------------------------------
+
+    def _has_int4(self) -> bool:
+        """Whether the first layer's fused query, key and value matrix is 4-bit (``slot_weights.int4_groups``)."""
+        return isinstance(self._copies.layers(self.weights, int4=True)[0].qkv.matrices[0], Int4Matrix)
 
     def _empty(self, slots: int, capacity: int) -> torch.Tensor:
         return torch.zeros((slots, self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype, device=self.device)

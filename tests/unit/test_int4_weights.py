@@ -1,0 +1,131 @@
+"""A 4-bit model's matrices held in their own 4 bits (``slot_weights.int4_groups``, ``SlotModel(int4_rows=...)``).
+
+A matrix is taken as 4-bit only when it is exactly what GGUF's Q4_1 dequantizes to (every group of 32 input columns
+``d * q + m`` in float32, ``q`` 0 to 15, ``d`` and ``m`` float16); its 4-bit product stays within bfloat16 rounding
+of the float32 one. Decode steps of at most ``int4_rows`` rows use it, larger steps the float32 layout bit for bit; a
+weight write that leaves a matrix not 4-bit sends it back to the float32 layout at the next step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from miserver.engines.local.llama_ops import project
+from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
+from miserver.engines.local.slot_weights import INT4_GROUP, Int4Matrix, int4_available, int4_groups
+from miserver.engines.local.slots import SlotModel
+from tests.support.slot_runs import greedy, ids_of
+
+pytestmark = pytest.mark.skipif(not int4_available(torch.device("cpu")), reason="torch has no int4 kernel for the CPU")
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]``) quantized as GGUF's Q4_1 and dequantized as transformers does (float32)."""
+    out, width = weight.shape
+    w = weight.reshape(out, width // INT4_GROUP, INT4_GROUP)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d = (high - low) / 15
+    q = torch.where(d > 0, ((w - low) / torch.where(d > 0, d, 1.0)).round(), 0.0).clamp(0, 15)
+    return (d.half().float() * q + low.half().float()).reshape(out, width)
+
+
+def quantized(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of ``model`` whose decoder layers' linear weights are Q4_1 (the embedding and head stay float32)."""
+    four = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in four.model.layers:
+            for linear in (
+                *(layer.self_attn.get_submodule(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                *(layer.mlp.get_submodule(n) for n in ("gate_proj", "up_proj", "down_proj")),
+            ):
+                linear.weight.copy_(q4_1(linear.weight))
+    return four
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoadedModel]:
+    yield load_model(resolve_model_source(str(tiny_model_dir), None), tmp_path_factory.mktemp("cache"), "cpu")
+
+
+def test_a_q4_1_matrix_is_found_and_multiplies_within_bfloat16_rounding() -> None:
+    torch.manual_seed(0)
+    w = q4_1(torch.randn(96, 128) * 0.05)
+    four = int4_groups(w)
+    assert isinstance(four, Int4Matrix) and four.group == INT4_GROUP
+    # the identity's rows read each weight back, (q - 8) * scale + zero in bfloat16: a wrong q would be a whole
+    # group step d off, bfloat16's rounding of the scale, the zero point and the output is a small part of one
+    back = project(torch.eye(128), four, None)  # [in, out]: row i is column i of w.T
+    groups = w.reshape(96, 4, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, 1).t()
+    assert ((back - w.t()).abs() <= step / 8).all()
+    x = torch.randn(3, 128)
+    assert torch.allclose(project(x, four, None), x @ w.t(), atol=0.02, rtol=0.02)
+
+
+def test_only_an_exact_4_bit_matrix_is_taken() -> None:
+    torch.manual_seed(1)
+    assert int4_groups(torch.randn(16, 64)) is None  # float
+    assert int4_groups(q4_1(torch.randn(8, 64))) is None  # 8 outputs: the kernel takes them in 16s
+    w = q4_1(torch.randn(16, 64))
+    assert int4_groups(w) is not None
+    edited = w.clone()
+    edited[5, 40] += 1e-3  # one weight off its group's grid
+    assert int4_groups(edited) is None
+    eight = (torch.randint(-127, 128, (16, 64)).float() * 0.01).half().float()  # 8-bit values: 255 levels a group
+    assert int4_groups(eight) is None
+    assert int4_groups(q4_1(torch.randn(16, 64))[:, :40]) is None  # 40 columns: not whole groups
+    assert int4_groups(w.double()) is None
+
+
+def test_a_model_with_no_4_bit_matrix_never_multiplies_in_4_bits(loaded: LoadedModel) -> None:
+    cache = SlotModel(loaded.model, max_positions=256, weights="packed", own_prefill=True, int4_rows=8)
+    assert cache.int4_rows == 0
+
+
+@pytest.fixture(scope="module")
+def four_bit(loaded: LoadedModel) -> PreTrainedModel:
+    return quantized(loaded.model)
+
+
+def test_small_steps_multiply_in_4_bits_and_larger_ones_in_float32(
+    loaded: LoadedModel, four_bit: PreTrainedModel
+) -> None:
+    kwargs = {"max_positions": 256, "weights": "packed", "own_prefill": True, "attention": "kernel"}
+    with torch.inference_mode():
+        four = SlotModel(four_bit, int4_rows=2, **kwargs)  # type: ignore[arg-type]
+        full = SlotModel(four_bit, int4_rows=0, **kwargs)  # type: ignore[arg-type]
+        assert four.int4_rows == 2
+        assert isinstance(four._copies.layers("packed", int4=True)[0].down, Int4Matrix)
+        ids = ids_of(loaded, "tell me about the sea and the ships on it")
+        got, logits = greedy(four, 0, ids, 12)
+        want, ref = greedy(full, 0, ids, 12)
+        assert torch.equal(logits[0], ref[0])  # the prefill (the first token) is float32's in both
+        assert not torch.equal(logits[1:], ref[1:])  # the decode steps were not float32's
+        assert torch.allclose(logits, ref, atol=0.05, rtol=0)  # within bfloat16 rounding of the inputs
+        # a 3-row step (over int4_rows) is the float32 step, bit for bit
+        for s in (1, 2, 3):
+            four.prefill(s, ids)
+            full.prefill(s, ids)
+        assert torch.equal(four.decode([1, 2, 3], [5, 6, 7]), full.decode([1, 2, 3], [5, 6, 7]))
+        # a row's bits alone (1 row, 4-bit) differ from a 3-row step's (float32): batch-invariant rows decode alone
+        assert four.independent_rows(2) and not four.independent_rows(3)
+
+
+def test_a_weight_write_that_leaves_a_matrix_not_4_bit_sends_it_to_float32(four_bit: PreTrainedModel) -> None:
+    model = copy.deepcopy(four_bit)
+    cache = SlotModel(model, max_positions=256, weights="packed", own_prefill=True, int4_rows=4)
+    assert isinstance(cache._copies.layers("packed", int4=True)[0].down, Int4Matrix)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.001)
+    layer = cache._copies.layers("packed", int4=True)[0]
+    assert isinstance(layer.down, torch.Tensor) and layer.down.is_mkldnn  # remade: the float32 prepacked copy
+    assert isinstance(layer.o, Int4Matrix)  # the others stay 4-bit
+    with torch.inference_mode():
+        cache.prefill(0, torch.tensor([1, 2, 3]))
+        assert torch.isfinite(cache.decode([0], [4])).all()
