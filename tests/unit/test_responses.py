@@ -35,14 +35,20 @@ def refusal(body: dict[str, Any], *, strict: bool = True) -> APIError:
 
 
 def test_a_string_input_is_one_user_turn() -> None:
-    req = request(max_output_tokens=32, temperature=0.5, top_p=0.9, user="u", metadata={"a": "b"})
+    """``user``, ``safety_identifier`` and ``prompt_cache_key`` go into the chat request (accepted there without
+    effect, relayed to an upstream as sent); ``metadata`` stays with the Response."""
+    ids = {"user": "u", "safety_identifier": "5f2c0e", "prompt_cache_key": "tenant-7"}
+    req = request(max_output_tokens=32, temperature=0.5, top_p=0.9, metadata={"a": "b"}, **ids)
     assert responses._chat_body(req, responses.input_turns(req, [])) == {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Hi"}],
         "max_completion_tokens": 32,
         "temperature": 0.5,
         "top_p": 0.9,
+        **ids,
     }
+    bare = request()
+    assert not ids.keys() & responses._chat_body(bare, responses.input_turns(bare, [])).keys()
 
 
 def test_instructions_first_then_earlier_turns_then_input() -> None:

@@ -23,7 +23,7 @@ from miserver.engines.upstream.pool import UpstreamPool
 from miserver.engines.upstream.retry import Answer, RetryPolicy, retry_after, send
 from miserver.errors import ModelNotFoundError, UnsupportedParameterError, UpstreamUnavailableError
 from miserver.scheduling.admission import AdmissionGate, Priority
-from miserver.services.inference import chat
+from miserver.services.inference import chat, responses
 from miserver.services.inference import routing as service
 from miserver.services.inference.chat import parse
 from miserver.services.inference.context import Call, ServiceContext, ServiceResult, StreamResult, StreamUsage
@@ -308,6 +308,34 @@ async def test_fields_the_resident_engine_refuses_or_ignores_go_to_an_upstream_a
     result = await chat.create(ctx, body, Call(strict=True))
     assert isinstance(result, ServiceResult) and result.status_code == 200
     assert bodies == [body]
+    await gw.upstreams[0].close()
+
+
+async def test_a_responses_request_carries_its_end_user_and_cache_key_to_an_upstream() -> None:
+    """``user``, ``safety_identifier`` and ``prompt_cache_key`` of a Responses request for an upstream model reach
+    the upstream in its chat request, as sent, and the Response echoes them."""
+    bodies: list[dict[str, Any]] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
+        bodies.append(json.loads(request.content))
+        choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        answer = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice]}
+        return httpx.Response(200, json={**answer, "usage": usage})
+
+    gw = Gateway([parse_entry("a=http://a.test:1")], Timeouts(), RetryPolicy(max_attempts=1, base=0.001))
+    gw.upstreams[0].client = httpx.AsyncClient(base_url="http://a.test:1/v1", transport=httpx.MockTransport(upstream))
+    await gw.refresh()
+    ctx = ServiceContext(engine=None, gate=AdmissionGate(), gateway=gw)
+    fields = {"user": "u1", "safety_identifier": "5f2c0e", "prompt_cache_key": "tenant-7"}
+    body = {"model": "m", "input": "hi", "store": False, **fields}
+    result = await responses.create(ctx, body, Call(strict=True))
+    assert isinstance(result, ServiceResult) and result.status_code == 200
+    assert len(bodies) == 1
+    assert {name: bodies[0].get(name) for name in fields} == fields
+    assert {name: result.body[name] for name in fields} == fields
     await gw.upstreams[0].close()
 
 

@@ -132,7 +132,9 @@ def check(ctx: ServiceContext, body: Any, *, strict: bool) -> tuple[ResponseCrea
 
 
 def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
-    """The chat completion request that computes ``req`` (``turns``: the earlier turns and the input)."""
+    """The chat completion request that computes ``req`` (``turns``: the earlier turns and the input). ``user``,
+    ``safety_identifier`` and ``prompt_cache_key`` go with it when set: the resident engine accepts them without
+    effect, an upstream receives them as sent."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     body: dict[str, Any] = {"model": req.model, "messages": system + chat_messages(turns)}
     tools, tool_choice = chat_tools(req)
@@ -154,6 +156,9 @@ def _chat_body(req: ResponseCreateRequest, turns: Turns) -> dict[str, Any]:
     response_format = text_format.as_response_format(req.text.format if req.text else None)
     if response_format is not None:
         body["response_format"] = response_format
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
