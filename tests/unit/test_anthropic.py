@@ -17,7 +17,8 @@ from miserver.batches.validate import check_line
 from miserver.engines.base import EngineInfo, SamplingParams
 from miserver.engines.local.generate import sample
 from miserver.errors import APIError, ConflictError, EngineUnavailableError, NotFoundError, ServerError
-from miserver.protocol.anthropic import MessageBatch
+from miserver.protocol.anthropic import CountTokensRequest, MessageBatch
+from miserver.protocol.parsing import parse_request
 from miserver.scheduling.admission import AdmissionGate
 from miserver.services.batch_api import message_batches
 from miserver.services.inference import messages, messages_chat
@@ -101,11 +102,6 @@ def test_valid_bodies(ctx: ServiceContext) -> None:
             "unsupported_parameter",
             "tools[0].strict",
         ),
-        (
-            {"tools": [{"name": "f", "input_schema": OBJECT, "cache_control": {"type": "ephemeral"}}]},
-            "unsupported_parameter",
-            "tools[0].cache_control",
-        ),
         ({"tool_choice": {"type": "any"}}, "invalid_value", "tool_choice"),
         ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "g"}}, "invalid_value", "tool_choice"),
         ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "invalid_value", "tool_choice.name"),
@@ -125,9 +121,44 @@ def test_valid_bodies(ctx: ServiceContext) -> None:
             "unsupported_value",
             "messages[2].content[0].content[0].type",
         ),
+        (
+            {"tools": [{"name": "f", "input_schema": OBJECT, "cache_control": {"type": "persistent"}}]},
+            "invalid_value",
+            "tools[0].cache_control",
+        ),
+        ({"cache_control": {"type": "ephemeral", "ttl": "2h"}}, "invalid_value", "cache_control"),
+        ({"cache_control": "ephemeral"}, "invalid_value", "cache_control"),
+        (
+            {"system": [{"type": "text", "text": "x", "cache_control": {"ttl": "5m"}}]},
+            "invalid_value",
+            "system[0].cache_control",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {"type": "x"}}]}
+                ]
+            },
+            "invalid_value",
+            "messages[0].content[0].cache_control",
+        ),
+        (
+            {
+                "messages": [
+                    *CALLED,
+                    {"role": "user", "content": [RESULT | {"cache_control": {"type": "ephemeral", "x": 1}}]},
+                ]
+            },
+            "invalid_value",
+            "messages[2].content[0].cache_control",
+        ),
+        (
+            {"system": [{"type": "text", "text": "x", "citations": []}]},
+            "unsupported_parameter",
+            "system[0].citations",
+        ),
         ({"thinking": {"type": "enabled", "budget_tokens": 2000}}, "unsupported_parameter", "thinking"),
         ({"service_tier": "priority"}, "unsupported_parameter", "service_tier"),
-        ({"cache_control": {"type": "ephemeral"}}, "unsupported_parameter", "cache_control"),
         ({"mcp_servers": [{"url": "x"}]}, "unsupported_parameter", "mcp_servers"),
         ({"messages": [{"role": "system", "content": "x"}]}, "invalid_value", "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "invalid_type", "messages[0].content"),
@@ -145,11 +176,6 @@ def test_valid_bodies(ctx: ServiceContext) -> None:
             {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
             "missing_required_parameter",
             "messages[0].content[0].text",
-        ),
-        (
-            {"system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]},
-            "unsupported_parameter",
-            "system[0].cache_control",
         ),
         (
             {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
@@ -170,6 +196,39 @@ def test_refusals_name_the_param(ctx: ServiceContext, extra: dict[str, Any], cod
 def test_unknown_fields_only_in_strict_mode(ctx: ServiceContext) -> None:
     messages.check(ctx, body(frobnicate=1), strict=False)
     messages.check(ctx, body(metadata={"user_id": "u", "colour": 1}), strict=False)
+
+
+def with_breakpoints(breakpoint: dict[str, Any] | None) -> dict[str, Any]:
+    """A Messages body with ``cache_control`` set to ``breakpoint`` wherever Anthropic takes it (the request, a
+    ``system`` block, a tool, a ``text``, ``tool_use`` and ``tool_result`` block, a tool result's ``text`` block);
+    None: the same body without it."""
+    mark = {} if breakpoint is None else {"cache_control": breakpoint}
+    called = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?", **mark}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"city": "Paris"}, **mark},
+            ],
+        },
+        {"role": "user", "content": [RESULT | {"content": [{"type": "text", "text": "18 C", **mark}]} | mark]},
+    ]
+    return body(system=[{"type": "text", "text": "Be brief.", **mark}], tools=[TOOL | mark], messages=called, **mark)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize(
+    "breakpoint", [{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"}, {"type": "ephemeral", "ttl": "1h"}]
+)
+def test_cache_control_is_accepted_without_effect(ctx: ServiceContext, strict: bool, breakpoint: Any) -> None:
+    """A prompt caching breakpoint changes nothing in the answer: accepted wherever Anthropic takes it, in both
+    modes, its chat request the same as without it (there is no prompt cache here)."""
+    req, _ = messages.check(ctx, with_breakpoints(breakpoint), strict=strict)
+    bare, _ = messages.check(ctx, with_breakpoints(None), strict=strict)
+    assert messages_chat.chat_body(req) == messages_chat.chat_body(bare)
+    counted = {k: v for k, v in with_breakpoints(breakpoint).items() if k != "max_tokens"}
+    assert parse_request(CountTokensRequest, counted, strict=True).cache_control == breakpoint
 
 
 def test_model_not_found(ctx: ServiceContext) -> None:
@@ -370,6 +429,27 @@ def test_create_refusals(payload: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as info:
         message_batches.check_create(json.dumps(payload).encode())
     assert (info.value.status_code, info.value.param) == (400, param)
+
+
+def test_a_message_batch_request_with_cache_control_is_accepted(ctx: ServiceContext) -> None:
+    """A Message Batch's requests are checked as batch lines of ``/anthropic/v1/messages`` (strict, by the route's
+    own code): a request with prompt caching breakpoints passes the create and its line's check, and a malformed
+    breakpoint is its line's error, the route's 400 naming the field."""
+    requests = [
+        {"custom_id": "cached", "params": with_breakpoints({"type": "ephemeral", "ttl": "1h"})},
+        {"custom_id": "bad", "params": body(cache_control={"type": "ephemeral", "ttl": "1d"})},
+    ]
+    created = message_batches.check_create(json.dumps({"requests": requests}).encode())
+    lines = message_batches._lines(created)
+    seen: set[str] = set()
+    ok, bad = (check_line(ctx, ENDPOINT, line, seen) for line in lines)
+    assert ok.error is None and ok.custom_id == "cached"
+    assert bad.error is not None and (bad.error.status_code, bad.error.code, bad.error.param) == (
+        400,
+        "invalid_value",
+        "cache_control",
+    )
+    assert "'cache_control'" in bad.error.anthropic_envelope()["error"]["message"]
 
 
 def test_create_too_large(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -171,7 +171,9 @@ async def test_a_text_stream() -> None:
     assert got[0]["message"]["usage"]["input_tokens"] == 7  # known when the first token came
     assert "".join(e["delta"]["text"] for e in got if e["type"] == "content_block_delta") == "Hello"
     assert got[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "!"}
-    assert got[-2]["usage"] == {"input_tokens": 9, "output_tokens": 3}
+    zero_cache = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    assert got[-2]["usage"] == {"input_tokens": 9, "output_tokens": 3, **zero_cache}
+    assert {k: got[0]["message"]["usage"][k] for k in zero_cache} == zero_cache
 
 
 async def test_an_upstream_tool_call_in_pieces() -> None:

@@ -4,8 +4,9 @@ Source: Anthropic's API reference (Messages, Message Batches, Errors) and the sh
 validates. Text and client tools are served: ``text``, ``tool_use`` and ``tool_result`` blocks are read, a content
 block of another known type is refused on its ``type`` (``unsupported_value``), one of no known type too
 (``invalid_value``). Fields that ask for features the resident engine lacks (extended thinking, MCP servers...) are
-declared so that the service refuses them by name. Tool definitions and ``tool_choice`` are in
-:mod:`miserver.protocol.anthropic_tools`.
+declared so that the service refuses them by name; ``cache_control``, which changes nothing in the answer, is
+accepted without effect where Anthropic takes it (:mod:`miserver.protocol.anthropic_cache`). Tool definitions and
+``tool_choice`` are in :mod:`miserver.protocol.anthropic_tools`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
+from .anthropic_cache import CacheControl
 from .anthropic_tools import ToolChoice, ToolUnion
 from .common import ALWAYS_STRICT, RequestModel, ResponseModel
 
@@ -50,36 +52,37 @@ def _unknown_block(kind: str) -> str:
 
 
 class TextBlockParam(RequestModel):
-    """A ``{"type": "text", "text": ...}`` block of a message's content or of ``system``. ``cache_control`` and
-    ``citations`` are declared so that the service can refuse them by name (no prompt cache, no citations here)."""
+    """A ``{"type": "text", "text": ...}`` block of a message's content or of ``system``. ``cache_control`` (a
+    prompt caching breakpoint, see :mod:`~miserver.protocol.anthropic_cache`) is accepted without effect;
+    ``citations`` is declared so that the service can refuse it by name (no citations here)."""
 
     type: Literal["text"]
     text: str
-    cache_control: Any = None
+    cache_control: CacheControl = None
     citations: Any = None
 
 
 class ToolUseBlockParam(RequestModel):
     """An earlier call of a tool, in an ``assistant`` turn: its ``id`` (``toolu_...``, which a later ``tool_result``
-    names), the tool's ``name`` and its ``input`` object. ``cache_control`` is declared so that the service can refuse
-    it by name."""
+    names), the tool's ``name`` and its ``input`` object. ``cache_control`` is accepted without effect."""
 
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
-    cache_control: Any = None
+    cache_control: CacheControl = None
 
 
 class ToolResultBlockParam(RequestModel):
     """The result of an earlier call, in a ``user`` turn: ``tool_use_id`` names the ``tool_use`` block it answers;
-    ``content`` is a string or blocks (``text`` only is read); ``is_error`` says the call failed."""
+    ``content`` is a string or blocks (``text`` only is read); ``is_error`` says the call failed. ``cache_control``
+    is accepted without effect."""
 
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[ContentBlockParam] | None = None
     is_error: bool | None = None
-    cache_control: Any = None
+    cache_control: CacheControl = None
 
 
 class UnreadableBlock(RequestModel):
@@ -142,8 +145,9 @@ class RequestMetadata(RequestModel):
 class MessagesRequest(RequestModel):
     """The body of ``POST /anthropic/v1/messages`` (and the ``params`` of a Message Batch request).
 
-    ``max_tokens`` is required, as in Anthropic's API; ``temperature`` is 0..1 (default 1). The fields after
-    ``tool_choice`` are declared so that the service refuses them by name (``unsupported_parameter``).
+    ``max_tokens`` is required, as in Anthropic's API; ``temperature`` is 0..1 (default 1). ``cache_control`` (a
+    prompt caching breakpoint on the request's last cacheable block) is accepted without effect. The fields after it
+    are declared so that the service refuses them by name (``unsupported_parameter``).
     """
 
     model: str
@@ -158,6 +162,7 @@ class MessagesRequest(RequestModel):
     stream: bool | None = None
     tools: list[ToolUnion] | None = None
     tool_choice: ToolChoice | None = None
+    cache_control: CacheControl = None
     thinking: Any = None
     mcp_servers: list[Any] | None = None
     container: Any = None
@@ -165,7 +170,6 @@ class MessagesRequest(RequestModel):
     service_tier: str | None = None
     output_format: Any = None
     output_config: Any = None
-    cache_control: Any = None
     diagnostics: Any = None
     inference_geo: str | None = None
     speed: str | None = None
@@ -193,7 +197,9 @@ class ToolUseBlock(ResponseModel):
 
 
 class MessageUsage(ResponseModel):
-    """``usage`` of a Message: tokens in the prompt and generated (no prompt cache here: its counts are 0)."""
+    """``usage`` of a Message: tokens in the prompt and generated; no prompt cache here, so
+    ``cache_creation_input_tokens`` and ``cache_read_input_tokens`` are 0 (a ``cache_control`` breakpoint is
+    accepted without effect)."""
 
     input_tokens: int
     output_tokens: int
@@ -258,10 +264,13 @@ class MessageDelta(ResponseModel):
 
 
 class MessageDeltaUsage(ResponseModel):
-    """The stream's final counts (tokens): ``input_tokens`` too, as Anthropic's API reports them cumulatively."""
+    """The stream's final counts (tokens): ``input_tokens`` too, as Anthropic's API reports them cumulatively; the
+    prompt cache counts are 0 (no prompt cache here), as in the Message's ``usage``."""
 
     input_tokens: int
     output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
 
 
 class MessageDeltaEvent(ResponseModel):
@@ -344,20 +353,20 @@ class DeletedMessageBatch(ResponseModel):
 
 class CountTokensRequest(RequestModel):
     """``POST /anthropic/v1/messages/count_tokens``: a Messages request's prompt (its tools included), without
-    ``max_tokens``. The fields after ``tool_choice`` are declared so that the service refuses them by name
-    (``unsupported_parameter``)."""
+    ``max_tokens``. ``cache_control`` is accepted without effect; the fields after it are declared so that the
+    service refuses them by name (``unsupported_parameter``)."""
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[ContentBlockParam] | None = None
     tools: list[ToolUnion] | None = None
     tool_choice: ToolChoice | None = None
+    cache_control: CacheControl = None
     thinking: Any = None
     mcp_servers: list[Any] | None = None
     context_management: Any = None
     output_format: Any = None
     output_config: Any = None
-    cache_control: Any = None
 
 
 class MessageTokensCount(ResponseModel):

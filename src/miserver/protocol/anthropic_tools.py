@@ -2,8 +2,9 @@
 ``type``) and ``tool_choice``.
 
 Source: Anthropic's API reference (Messages, "Tool use") and the SDK's ``ToolParam`` / ``ToolChoiceParam``. The
-fields of a tool that ask for what this server lacks (prompt caching, strict schemas, examples, deferred loading,
-callers, eager input streaming) are declared so that the service refuses them by name.
+fields of a tool that ask for what this server lacks (strict schemas, examples, deferred loading, callers, eager
+input streaming) are declared so that the service refuses them by name; a tool's ``cache_control`` is accepted
+without effect (:mod:`~miserver.protocol.anthropic_cache`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Discriminator, Tag
 from pydantic_core import PydanticCustomError
 
+from .anthropic_cache import CacheControl
 from .common import RequestModel
 
 
@@ -24,7 +26,7 @@ class ToolParam(RequestModel):
     input_schema: dict[str, Any]
     description: str | None = None
     type: Literal["custom"] | None = None
-    cache_control: Any = None
+    cache_control: CacheControl = None
     strict: bool | None = None
     input_examples: list[Any] | None = None
     defer_loading: bool | None = None

@@ -43,7 +43,6 @@ UNSUPPORTED_FIELDS = (
     "service_tier",
     "output_format",
     "output_config",
-    "cache_control",
     "diagnostics",
     "inference_geo",
     "speed",

@@ -39,7 +39,6 @@ from .tools import Mode, Tool, check_tool, choose
 MODES: dict[str, Mode] = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 #: Fields of a client tool that ask for what this server lacks: refused when set (``False`` and ``[]`` are neutral).
 REFUSED_TOOL_FIELDS = {
-    "cache_control": "there is no prompt cache here",
     "strict": "strict tool schemas are not supported; a 'tool_choice' of type 'any' or 'tool' makes the call follow "
     "the 'input_schema' by grammar",
     "input_examples": "tool input examples are not supported",
@@ -50,16 +49,15 @@ REFUSED_TOOL_FIELDS = {
 
 
 def _refused_block_field(block: Any, where: str) -> None:
-    """400 ``unsupported_parameter`` for a block's ``cache_control`` or ``citations`` (no prompt cache and no
-    citations here: honouring neither, they are refused rather than ignored)."""
-    for name in ("cache_control", "citations"):
-        if getattr(block, name, None) is not None:
-            param = f"{where}.{name}"
-            raise UnsupportedParameterError(
-                f"Unsupported parameter: '{param}' is not supported by this server (no prompt caching and no "
-                "citations); remove it.",
-                param=param,
-            )
+    """400 ``unsupported_parameter`` on ``<where>.citations`` for a block that asks for citations (there are none
+    here: refused rather than ignored). A block's ``cache_control`` is accepted without effect (its shape is the
+    request model's check)."""
+    if getattr(block, "citations", None) is not None:
+        param = f"{where}.citations"
+        raise UnsupportedParameterError(
+            f"Unsupported parameter: '{param}' is not supported by this server (no citations); remove it.",
+            param=param,
+        )
 
 
 def _result_text(block: ToolResultBlockParam, where: str) -> str:
