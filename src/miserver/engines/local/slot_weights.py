@@ -65,9 +65,10 @@ def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Matrix | N
     whose outputs are not a multiple of 16, which the kernel needs): the values found are multiplied back and
     compared with ``weight`` bit for bit.
 
-    The kernel's scale and zero point are bfloat16: ``d`` and ``m + 8 d`` rounded to 8 significant bits, an error of
-    at most 1/64 of a quantization step on each weight (the ``"bfloat16"`` layout's rounding of the weights is of the
-    same size)."""
+    The kernel's scale and zero point are bfloat16: ``d`` and ``m + 8 d`` rounded to 8 significant bits, so a weight
+    moves by at most ``d / 64`` plus ``2**-9`` of ``|m + 8 d|`` (in a group that straddles zero, as Llama's do,
+    ``m + 8 d`` is a few ``d`` at most, so about ``d / 64`` in all); the ``"bfloat16"`` layout rounds each weight by
+    up to ``2**-9`` of its size."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % group or weight.shape[0] % 16:
         return None  # the kernel takes whole groups, and outputs in 16s
     out, width = weight.shape
