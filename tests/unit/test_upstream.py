@@ -276,11 +276,9 @@ async def test_a_stream_through_the_gateway_is_counted_whether_or_not_the_client
     await gw.upstreams[0].close()
 
 
-async def test_fields_the_resident_engine_refuses_or_ignores_go_to_an_upstream_as_sent() -> None:
-    """``verbosity`` (refused by the resident engine), ``prompt_cache_key`` and ``safety_identifier`` (accepted there
-    without effect) pass the strict checks of a request for an upstream model and reach the upstream in the body,
-    unchanged."""
-    bodies: list[dict[str, object]] = []
+async def _recording_gateway(bodies: list[dict[str, Any]]) -> Gateway:
+    """A gateway to one upstream serving model ``m`` that answers every chat with ``"hi"`` and appends each chat body
+    it receives to ``bodies``."""
 
     def upstream(request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
@@ -294,6 +292,15 @@ async def test_fields_the_resident_engine_refuses_or_ignores_go_to_an_upstream_a
     gw = Gateway([parse_entry("a=http://a.test:1")], Timeouts(), RetryPolicy(max_attempts=1, base=0.001))
     gw.upstreams[0].client = httpx.AsyncClient(base_url="http://a.test:1/v1", transport=httpx.MockTransport(upstream))
     await gw.refresh()
+    return gw
+
+
+async def test_fields_the_resident_engine_refuses_or_ignores_go_to_an_upstream_as_sent() -> None:
+    """``verbosity`` (refused by the resident engine), ``prompt_cache_key`` and ``safety_identifier`` (accepted there
+    without effect) pass the strict checks of a request for an upstream model and reach the upstream in the body,
+    unchanged."""
+    bodies: list[dict[str, Any]] = []
+    gw = await _recording_gateway(bodies)
     resident = SimpleNamespace(info=EngineInfo("tiny", "serial", "float32", "sha256:0", 512, hidden_size=8))
     ctx = ServiceContext(engine=resident, gate=AdmissionGate(), gateway=gw)  # type: ignore[arg-type]
     fields = {"verbosity": "high", "prompt_cache_key": "tenant-7", "safety_identifier": "5f2c0e"}
@@ -315,19 +322,7 @@ async def test_a_responses_request_carries_its_end_user_and_cache_key_to_an_upst
     """``user``, ``safety_identifier`` and ``prompt_cache_key`` of a Responses request for an upstream model reach
     the upstream in its chat request, as sent, and the Response echoes them."""
     bodies: list[dict[str, Any]] = []
-
-    def upstream(request: httpx.Request) -> httpx.Response:
-        if request.method == "GET":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
-        bodies.append(json.loads(request.content))
-        choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
-        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
-        answer = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice]}
-        return httpx.Response(200, json={**answer, "usage": usage})
-
-    gw = Gateway([parse_entry("a=http://a.test:1")], Timeouts(), RetryPolicy(max_attempts=1, base=0.001))
-    gw.upstreams[0].client = httpx.AsyncClient(base_url="http://a.test:1/v1", transport=httpx.MockTransport(upstream))
-    await gw.refresh()
+    gw = await _recording_gateway(bodies)
     ctx = ServiceContext(engine=None, gate=AdmissionGate(), gateway=gw)
     fields = {"user": "u1", "safety_identifier": "5f2c0e", "prompt_cache_key": "tenant-7"}
     body = {"model": "m", "input": "hi", "store": False, **fields}
