@@ -9,6 +9,9 @@
    chats, idle).
 3. A client that sends a 300-token chat and hangs up after its first tokens, then a 1-token chat: its latency
    against a 1-token chat on an idle server (goal: within idle + one decode step).
+4. A 64-token chat sent 4 s into the demo's batch (``examples/topics.jsonl``: 64 rows of about 240 prompt tokens
+   and 6 generated), once with ``pack: false`` and once with ``pack: true``, against the same chat on an idle server:
+   batch rows that start beside a chat put their prefills into its steps.
 
 The load average is printed beside each part. Results: ``bench/results/scheduler.json``.
 
@@ -136,6 +139,48 @@ def hang_up(server: ServerProcess, max_tokens: int) -> None:
         time.sleep(1.0)  # a client giving up after a second: not an ordering of the server's work
 
 
+def prefill_heavy(client: Any) -> dict[str, Any]:
+    """Part 4: the 64-token chat idle (twice, the median) and 4 s into the demo's batch, unpacked then packed."""
+
+    def essay() -> float:
+        start = time.perf_counter()
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write a long essay about bees."}],
+            max_tokens=64,
+            temperature=0,
+        )
+        return time.perf_counter() - start
+
+    def during(pack: bool) -> float:
+        data = (ROOT / "examples" / "topics.jsonl").read_bytes()
+        uploaded = client.files.create(file=("topics.jsonl", data), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_body={"pack": pack},
+        )
+        wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress", timeout=600, interval=0.05)
+        time.sleep(4.0)  # the batch well under way: a moment in its run, not an ordering of the server's work
+        seconds = essay()
+        done = wait_for(
+            lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
+            timeout=3600,
+            interval=0.2,
+        )
+        assert done.status == "completed", done
+        return seconds
+
+    idle = statistics.median([essay(), essay()])
+    out: dict[str, Any] = {"idle_s": round(idle, 3)}
+    for pack in (False, True):
+        seconds = during(pack)
+        out["packed" if pack else "unpacked"] = {"during_s": round(seconds, 3), "x_idle": round(seconds / idle, 2)}
+    out["load"] = load()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=32, help="rows of the packed generation batch")
@@ -204,6 +249,12 @@ def main() -> None:
             report["hang_up"] = {"idle_1_token_s": round(idle_one, 3), "after_s": round(after, 3), "load": load()}
             print(
                 f"1-token chat idle {idle_one:.3f} s; right after a dropped 300-token chat {after:.3f} s; load {load()}"
+            )
+            report["prefill_heavy"] = heavy = prefill_heavy(client)
+            print(
+                f"64-token chat idle {heavy['idle_s']} s; 4 s into the demo's batch: unpacked "
+                f"{heavy['unpacked']['during_s']} s (x{heavy['unpacked']['x_idle']}), packed "
+                f"{heavy['packed']['during_s']} s (x{heavy['packed']['x_idle']}); load {heavy['load']}"
             )
         finally:
             server.stop()

@@ -56,6 +56,7 @@ async def load_engine(settings: Settings) -> Engine:
         max_sequences=settings.max_sequences,
         batch_slots=settings.batch_generate_slots,
         prefill_tokens=settings.batch_prefill_tokens,
+        batch_hold_steps=settings.batch_hold_steps,
         threads=settings.torch_threads,
         decode=DecodeOptions(
             settings.decode,

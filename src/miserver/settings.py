@@ -197,6 +197,15 @@ class Settings(BaseSettings):
         description="batch rows' prompt tokens the resident model prefills in one decode step at most (a prefill "
         "delays every sequence of its step; a row with a longer prompt starts alone in its step)",
     )
+    batch_hold_steps: int = Field(
+        64,
+        validation_alias=_env("BATCH_HOLD_STEPS"),
+        ge=0,
+        description="while interactive requests run or wait on the resident model, no new batch row starts (its "
+        "prefill would land in their steps; the rows in flight keep decoding), except one every this many steps "
+        "when no batch row is in flight, so that a batch always progresses. 0: a row starts whenever none is in "
+        "flight",
+    )
     batch_claim_ttl_seconds: float = Field(
         30.0,
         validation_alias=_env("BATCH_CLAIM_TTL_SECONDS"),

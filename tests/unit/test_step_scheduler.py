@@ -81,7 +81,7 @@ async def test_batch_sequences_take_turns_by_fairness_key() -> None:
 
 async def test_a_cancelled_or_stopped_request_leaves_at_the_next_step() -> None:
     steps = FakeSteps(hold_at=3)
-    s = StepScheduler(steps, max_sequences=8, batch_slots=8)
+    s = StepScheduler(steps, max_sequences=8, batch_slots=8, batch_hold_steps=0)  # the batch row starts beside b
     stop = False
     group = Group(should_stop=lambda: stop)
     a = s.submit(request(50, key="x"), group)
@@ -130,7 +130,7 @@ async def test_no_batch_prefill_joins_a_step_while_an_interactive_request_runs()
     assert [starts for starts, _ in steps.log[2:6]] == [[chat.number], [], [], []]
 
 
-async def test_a_batch_with_nothing_in_flight_still_starts_a_row_beside_interactive_work() -> None:
+async def test_batch_rows_wait_for_a_short_interactive_request() -> None:
     steps = FakeSteps()
     s = StepScheduler(steps, max_sequences=8, batch_slots=4)
     chat = s.submit(request(6, Priority.INTERACTIVE))
@@ -138,4 +138,15 @@ async def test_a_batch_with_nothing_in_flight_still_starts_a_row_beside_interact
     for t in [chat, *rows]:
         await t.outcome()
     assert chat.admitted_at == 0
-    assert [t.admitted_at for t in rows] == [0, 2], "one row beside the chat at a time: the batch never stops"
+    assert [t.admitted_at for t in rows] == [6, 6], "no batch prefill while the chat runs (steps 0-5); both after it"
+
+
+async def test_a_batch_held_back_by_long_interactive_work_starts_one_row_each_hold() -> None:
+    steps = FakeSteps()
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4, batch_hold_steps=10)
+    chat = s.submit(request(40, Priority.INTERACTIVE))
+    rows = [s.submit(request(2, key="a")) for _ in range(4)]
+    for t in [chat, *rows]:
+        await t.outcome()
+    assert chat.admitted_at == 0
+    assert [t.admitted_at for t in rows] == [10, 20, 30, 40], "one row every 10 steps beside the chat, then the rest"

@@ -48,6 +48,8 @@ DEFAULT_MAX_SEQUENCES = 24
 DEFAULT_BATCH_SLOTS = 16
 #: Batch prompt tokens prefilled in one step at most (the default of ``BATCH_PREFILL_TOKENS``).
 DEFAULT_PREFILL_TOKENS = 256
+#: Steps of interactive work between two batch rows started beside it (the default of ``BATCH_HOLD_STEPS``).
+DEFAULT_BATCH_HOLD_STEPS = 64
 
 
 class LocalEngine:
@@ -57,7 +59,8 @@ class LocalEngine:
     ``score``, ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is called with each request at
     that moment (tests use both to prove work is not run twice). ``max_sequences`` caps the sequences in flight,
     ``batch_slots`` those of batch requests (interactive ones join above them, up to ``max_sequences``);
-    ``prefill_tokens`` bounds the batch prompt tokens prefilled in one step (see ``scheduler.StepScheduler``).
+    ``prefill_tokens`` bounds the batch prompt tokens prefilled in one step, ``batch_hold_steps`` the steps of
+    interactive work a waiting batch row is held back for (see ``scheduler.StepScheduler``).
     ``decode`` picks the decode step (``slots.make_slots``): the static-cache Llama forward where the model allows
     it (the default), or transformers' own forward and cache.
     """
@@ -71,6 +74,7 @@ class LocalEngine:
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        batch_hold_steps: int = DEFAULT_BATCH_HOLD_STEPS,
         decode: DecodeOptions = DEFAULT_DECODE,
     ) -> None:
         self._loaded: LoadedModel | None = loaded
@@ -110,6 +114,7 @@ class LocalEngine:
             max_sequences=max_sequences,
             batch_slots=batch_slots,
             prefill_tokens=prefill_tokens,
+            batch_hold_steps=batch_hold_steps,
             on_start=self._count,
             on_generated=self._generated,
         )
@@ -125,6 +130,7 @@ class LocalEngine:
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         batch_slots: int = DEFAULT_BATCH_SLOTS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        batch_hold_steps: int = DEFAULT_BATCH_HOLD_STEPS,
         decode: DecodeOptions = DEFAULT_DECODE,
         threads: int | None = None,
     ) -> LocalEngine:
@@ -151,6 +157,7 @@ class LocalEngine:
             max_sequences=max_sequences,
             batch_slots=batch_slots,
             prefill_tokens=prefill_tokens,
+            batch_hold_steps=batch_hold_steps,
             decode=decode,
         )
 

@@ -11,9 +11,10 @@ while anything waits or runs:
    sequences and their prompts stay within ``prefill_tokens`` a step (the first batch ticket of a step is never held
    back by it). An interactive ticket therefore starts at the next step even when every batch slot is busy, and no
    batch sequence is ever stopped to make room for it. A prefill runs inside its step, so it delays every sequence
-   of that step: while interactive sequences are in flight or waiting, a batch ticket starts only when no batch
-   sequence is in flight (the batch always progresses; the batch sequences in flight keep decoding beside the
-   interactive ones);
+   of that step: while interactive sequences are in flight or waiting, no batch ticket starts (the batch sequences
+   in flight keep decoding beside the interactive ones) until ``batch_hold_steps`` steps have passed since the batch
+   was first held back or last started a ticket; then one starts, when no batch sequence is in flight, so the batch
+   always progresses;
 3. **step**: one :meth:`~miserver.engines.local.steps.StepBatch.step` on the engine thread (prefill of the admitted,
    one decode token for the rest); other engine work (scoring and pooling packs, weight edits) queues on the same
    thread between two steps;
@@ -112,6 +113,7 @@ class StepScheduler:
         max_sequences: int,
         batch_slots: int,
         prefill_tokens: int = 256,
+        batch_hold_steps: int = 64,
         on_start: Callable[[GenerationRequest], None] | None = None,
         on_generated: Callable[[int], None] | None = None,
     ) -> None:
@@ -119,7 +121,12 @@ class StepScheduler:
             raise ValueError("the step scheduler needs at least one slot")
         if prefill_tokens < 1:
             raise ValueError("prefill_tokens must be positive")
+        if batch_hold_steps < 0:
+            raise ValueError("batch_hold_steps must not be negative")
         self.prefill_tokens = prefill_tokens
+        self.batch_hold_steps = batch_hold_steps
+        #: the step since which interactive work has held batch tickets back (None: not held)
+        self._held_since: int | None = None
         self.run_step = run_step
         self.max_sequences = max_sequences
         self.batch_slots = min(batch_slots, max_sequences)
@@ -202,7 +209,8 @@ class StepScheduler:
     def _admit(self) -> list[Ticket]:
         """Interactive first within ``max_sequences``; then batch round robin over fairness keys within
         ``batch_slots`` and ``prefill_tokens`` (a request wider than the free room starts only when its class has
-        nothing in flight), none while interactive work runs or waits beside a batch sequence in flight."""
+        nothing in flight); while interactive work runs or waits, none for ``batch_hold_steps`` steps, then one when
+        no batch sequence is in flight."""
         used = self.in_flight
         batch_used = sum(t.request.n for t in self._active.values() if t.priority != Priority.INTERACTIVE)
         prefill = 0  # batch prompt tokens admitted at this step
@@ -217,6 +225,12 @@ class StepScheduler:
             self._take(t, starts)
             used += n
         interactive = used > batch_used or bool(self._interactive)  # in flight (or starting), or still waiting
+        if not (interactive and self._batch):
+            self._held_since = None
+        elif self._held_since is None:
+            self._held_since = self.steps
+        if self._held_since is not None and self.steps - self._held_since < self.batch_hold_steps:
+            return starts
         progressed = True
         while progressed and self._batch:  # one ticket per key per pass: round robin over the fairness keys
             progressed = False
@@ -242,6 +256,8 @@ class StepScheduler:
                 batch_used += n
                 prefill += tokens
                 progressed = True
+                if interactive:
+                    self._held_since = self.steps  # the next one waits its turn again
         return starts
 
     def _take(self, t: Ticket, starts: list[Ticket]) -> None:
