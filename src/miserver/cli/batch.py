@@ -74,10 +74,12 @@ SHOWN_ERRORS = 5
 
 
 def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool = True) -> Any:
-    """Poll until the batch is terminal, with a tqdm progress bar over ``request_counts``."""
+    """Poll until the batch is terminal, with a tqdm progress bar over ``request_counts``; its rate counts the rows
+    that finished while it watched (a batch joined half-way starts the bar there)."""
     from tqdm import tqdm
 
     bar = tqdm(total=0, unit="row", disable=not show, file=sys.stderr, dynamic_ncols=True)
+    first = True
     try:
         while True:
             b = client.batches.retrieve(batch_id)
@@ -85,6 +87,8 @@ def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool 
             if counts is not None:
                 bar.total = counts.total
                 bar.n = counts.completed + counts.failed
+                if first:
+                    bar.initial, first = bar.n, False
                 bar.set_postfix_str(f"{b.status} failed={counts.failed}{_eta_text(b)}")
                 bar.refresh()
             if b.status in TERMINAL:
