@@ -154,7 +154,7 @@ class SlotModel:
         self.weights: WeightLayout = weights
         four = int4_available(device) and dtype == torch.float32 and not compile and weights != "view"
         #: decode steps of at most this many rows multiply 4-bit matrices in 4 bits (0: never)
-        self.int4_rows = int4_rows if four and self._has_int4() else 0
+        self.int4_rows = int4_rows if int4_rows > 0 and four and self._has_int4() else 0
         #: the native decode attention, or None: torch's
         self._kernel: attention_kernel.DecodeAttention | None = None
         covered = attention_kernel.DecodeAttention.covers(self.heads, self.kv_heads, self.head_dim, dtype, device)
