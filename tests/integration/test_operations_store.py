@@ -189,12 +189,11 @@ async def test_status_change_and_its_webhook_events_commit_together(store: Store
         await sb.transition(conn, batch.id, ("validating",), "cancelling", now())
         await sb.transition(conn, batch.id, ("cancelling",), "cancelled", now())
     async with store.tx() as conn:
-        due = await sob.claim_due(conn, worker="w", now_ms=now() * 1000 + 1, claim_ms=1000, limit=10, skip_locked=False)
+        at = now() * 1000 + 1  # one instant for both claims: now() has whole seconds, and a second may turn between
+        due = await sob.claim_due(conn, worker="w", now_ms=at, claim_ms=1000, limit=10, skip_locked=False)
         assert [d.event_type for d in due] == ["batch.cancelled"] and due[0].url == hook.url
         assert json.loads(due[0].payload)["data"] == {"id": batch.id}
-        again = await sob.claim_due(
-            conn, worker="w", now_ms=now() * 1000 + 1, claim_ms=1000, limit=10, skip_locked=False
-        )
+        again = await sob.claim_due(conn, worker="w", now_ms=at + 999, claim_ms=1000, limit=10, skip_locked=False)
         assert again == [], "a claimed event is not due again before its claim ends"
         assert await sob.release_claims(conn, worker="w", now_ms=0) == 1
         await sob.delivered(conn, due[0].id, at=now())
