@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -71,6 +72,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos[:, None, :]) + (rotated * sin[:, None, :])
+
+
+def rotary_table(
+    rotary: Any, positions: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` (``[positions, head_dim]``, ``dtype``) of every position 0 .. ``positions - 1`` for the model's
+    rotary module (its ``inv_freq`` and ``attention_scaling``), computed as transformers computes one position (the
+    same float operations)."""
+    at = torch.arange(positions, device=device).float()
+    freqs = at[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = rotary.attention_scaling
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def rows_computed_alone(

@@ -154,6 +154,10 @@ class WeightCopies:
             )
         return out
 
+    def has_int4(self, layout: WeightLayout) -> bool:
+        """Whether the model is 4-bit: its first layer's fused query, key and value matrix is (:func:`int4_groups`)."""
+        return isinstance(self.layers(layout, int4=True)[0].qkv.matrices[0], Int4Matrix)
+
     def projections(self, linears: list[torch.nn.Linear], layout: WeightLayout, *, int4: bool = False) -> Projections:
         """The ``linears`` (modules reading one input) as :class:`Projections` in ``layout``: one fused copy of their
         stacked weights (and biases), except in the ``"view"`` layout or when a weight is an inference tensor (its

@@ -40,11 +40,11 @@ from miserver.engines.local.llama_ops import (
     project,
     project_all,
     rms_norm,
+    rotary_table,
     rotate,
     rows_computed_alone,
 )
 from miserver.engines.local.slot_weights import (
-    Int4Matrix,
     Layer,
     Matrix,
     WeightCopies,
@@ -154,7 +154,7 @@ class SlotModel:
         self.weights: WeightLayout = weights
         four = int4_available(device) and dtype == torch.float32 and not compile and weights != "view"
         #: decode steps of at most this many rows multiply 4-bit matrices in 4 bits (0: never)
-        self.int4_rows = int4_rows if int4_rows > 0 and four and self._has_int4() else 0
+        self.int4_rows = int4_rows if int4_rows > 0 and four and self._copies.has_int4(weights) else 0
         #: the native decode attention, or None: torch's
         self._kernel: attention_kernel.DecodeAttention | None = None
         covered = attention_kernel.DecodeAttention.covers(self.heads, self.kv_heads, self.head_dim, dtype, device)
@@ -173,13 +173,7 @@ class SlotModel:
         )
         #: the own prefill's layout: the decode step's, in the model's dtype (bfloat16 decodes only)
         self.prefill_weights: WeightLayout = "packed" if weights == "bfloat16" else weights
-        rotary = model.model.rotary_emb
-        # the rotary table of every position, computed as transformers computes one position (same float ops)
-        positions = torch.arange(max_positions, device=device).float()
-        freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = (emb.cos() * rotary.attention_scaling).to(dtype)  # [max_positions, head_dim]
-        self._sin = (emb.sin() * rotary.attention_scaling).to(dtype)
+        self._cos, self._sin = rotary_table(model.model.rotary_emb, max_positions, device, dtype)
         self._lengths: dict[int, int] = {}
         #: row count -> whether a decode step of that many rows gives each row its bits alone (checked once)
         self._independent: dict[int, bool] = {}
@@ -433,10 +427,6 @@ class SlotModel:
         return F.embedding(tokens, table)
 
     # --- the cache --------------------------------------------------------------------------------------------------
-
-    def _has_int4(self) -> bool:
-        """Whether the first layer's fused query, key and value matrix is 4-bit (``slot_weights.int4_groups``)."""
-        return isinstance(self._copies.layers(self.weights, int4=True)[0].qkv.matrices[0], Int4Matrix)
 
     def _empty(self, slots: int, capacity: int) -> torch.Tensor:
         return torch.zeros((slots, self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype, device=self.device)
