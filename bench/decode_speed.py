@@ -5,7 +5,8 @@ Measured per variant, interleaved: each variant's sequence runs ``--block`` step
 other block (ABBA), so a change of machine load hits every variant alike; each block's rate is printed with the load
 average and the CPU time the process spent per token (every thread; far less sensitive to other processes than the
 wall time), and the summary gives each variant's medians over blocks and its median ratio to the first variant's
-block beside it (the machine may be shared: trust ratios and CPU time, not absolute rates):
+block beside it (the machine may be shared: trust ratios and CPU time, not absolute rates). Every forward pass of
+``single`` and ``batch`` runs on the engine thread of one ``LocalEngine``, with the OpenMP team the server uses:
 
 - ``single``: one sequence, ``--tokens`` greedy decode steps after a chat prompt (end of sequence ignored);
 - ``batch``: ``--rows`` sequences at different prompt lengths, ``--batch-steps`` decode steps of all of them, each
@@ -18,8 +19,8 @@ Variants: ``transformers`` (HFSlots), ``slots`` (SlotModel, float32), ``slots-t`
 (SlotModel with bfloat16 copies prepacked for oneDNN, the products in bfloat16 and the rest in float32: the served
 default where the CPU multiplies bfloat16 natively), ``slots-bf16`` (SlotModel over a bfloat16 copy of the whole
 model: measured, not served), ``slots-compiled`` (SlotModel with ``torch.compile``: minutes of compiling on a first
-run, not in the default list), ``served`` (the server's default, ``decoding.DEFAULT_DECODE``: a 4-bit model's
-matrices in 4 bits for steps of a few rows) and ``served-float`` (the same without the 4-bit products). The greedy
+run, not in the default list), ``served`` (the server's default, ``decoding.DEFAULT_DECODE``: a quantized
+model's matrices in their own bits for steps of a few rows) and ``served-float`` (the same without them). The greedy
 tokens of each variant are compared with the first variant's.
 
     python bench/decode_speed.py
@@ -145,7 +146,7 @@ async def main() -> None:
         "slots-b": lambda: SlotModel(model, max_positions=context, weights="bfloat16"),
         "slots-compiled": lambda: SlotModel(model, max_positions=context, compile=True),
         "served": lambda: make_slots(model, context, DEFAULT_DECODE),
-        "served-float": lambda: make_slots(model, context, replace(DEFAULT_DECODE, int4_rows=0)),
+        "served-float": lambda: make_slots(model, context, replace(DEFAULT_DECODE, quantized_rows=0)),
     }
     if bf16 is not None:
         makers["slots-bf16"] = lambda: SlotModel(bf16, max_positions=context)
@@ -162,7 +163,7 @@ async def main() -> None:
         "model": EMBEDDED_MODEL_ID,
         "dtype": str(model.dtype),
         "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": await base.call(lambda _: torch.get_num_threads()),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg(),
@@ -172,48 +173,59 @@ async def main() -> None:
         "block": args.block,
     }
     print(json.dumps(info), flush=True)
-    caches = {name: makers[name]() for name in variants}
-    with torch.inference_mode():  # warm-up: a few steps of each shape
-        for cache in caches.values():
-            Single(cache, ids).run(4)
-            Batch(cache, rows).run(2)
-            for s in range(len(rows) + 1):
-                cache.release(s)
-        singles = {name: Single(cache, ids) for name, cache in caches.items()}
-        batches = {name: Batch(cache, rows) for name, cache in caches.items()}
+    # every forward pass runs on the engine thread of ``base``, with its OpenMP team (see ``thread.one_openmp_team``)
+    caches = {name: await base.call(lambda _, name=name: makers[name]()) for name in variants}
+
+    def warm(_: object) -> tuple[dict[str, Single], dict[str, Batch]]:
+        with torch.inference_mode():  # warm-up: a few steps of each shape
+            for cache in caches.values():
+                Single(cache, ids).run(4)
+                Batch(cache, rows).run(2)
+                for s in range(len(rows) + 1):
+                    cache.release(s)
+            return {n: Single(c, ids) for n, c in caches.items()}, {n: Batch(c, rows) for n, c in caches.items()}
+
+    singles, batches = await base.call(warm)
+
+    def timed(part: Single | Batch, steps: int) -> Callable[[object], tuple[float, float]]:
+        def run(_: object) -> tuple[float, float]:
+            with torch.inference_mode():
+                return part.run(steps)
+
+        return run
+
     runs: list[dict[str, Any]] = []
     blocks = -(-args.tokens // args.block)
     for r in range(blocks):  # block r of every variant, in turn; the order reversed every other block (ABBA)
         order = variants if r % 2 == 0 else variants[::-1]
         for name in order:
-            with torch.inference_mode():
+            before = load()
+            rate, cpu = await base.call(timed(singles[name], args.block))
+            runs.append(
+                {
+                    "block": r,
+                    "variant": name,
+                    "what": "single",
+                    "tok_s": round(rate, 2),
+                    "cpu_ms": round(cpu, 2),
+                    "load": before,
+                }
+            )
+            print(json.dumps(runs[-1]), flush=True)
+            if r < args.batch_steps // args.batch_block:
                 before = load()
-                rate, cpu = singles[name].run(args.block)
+                rate, cpu = await base.call(timed(batches[name], args.batch_block))
                 runs.append(
                     {
                         "block": r,
                         "variant": name,
-                        "what": "single",
+                        "what": "batch",
                         "tok_s": round(rate, 2),
                         "cpu_ms": round(cpu, 2),
                         "load": before,
                     }
                 )
                 print(json.dumps(runs[-1]), flush=True)
-                if r < args.batch_steps // args.batch_block:
-                    before = load()
-                    rate, cpu = batches[name].run(args.batch_block)
-                    runs.append(
-                        {
-                            "block": r,
-                            "variant": name,
-                            "what": "batch",
-                            "tok_s": round(rate, 2),
-                            "cpu_ms": round(cpu, 2),
-                            "load": before,
-                        }
-                    )
-                    print(json.dumps(runs[-1]), flush=True)
     reference = singles[variants[0]].tokens
     agreement = {
         name: next((i for i, (a, b) in enumerate(zip(reference, s.tokens)) if a != b), len(s.tokens))

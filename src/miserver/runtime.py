@@ -67,7 +67,7 @@ async def load_engine(settings: Settings) -> Engine:
             attention=settings.decode_attention,
             kv_cache=settings.kv_cache,
             kernel_cache=settings.cache_dir / "kernels",
-            int4_rows=settings.decode_int4_rows,
+            quantized_rows=settings.decode_quantized_rows,
         ),
     )
 

@@ -86,14 +86,15 @@ class Settings(BaseSettings):
         "only; several rows a step cost about what one costs), transposed (a contiguous [in, out] copy for MKL) or "
         "view (the model's own weights, no copy)",
     )
-    decode_int4_rows: int = Field(
-        6,
-        validation_alias=_env("MISERVER_DECODE_INT4_ROWS"),
+    decode_quantized_rows: int = Field(
+        20,
+        validation_alias=_env("MISERVER_DECODE_QUANTIZED_ROWS"),
         ge=0,
-        description="a slots decode step of at most this many rows multiplies each matrix of a 4-bit model (GGUF "
-        "Q4_1, found matrix by matrix) in its own 4 bits through torch's int4 kernel, each product's input rounded "
-        "to bfloat16 (CPU, float32 model, eager step); larger steps and the prefill use MISERVER_DECODE_WEIGHTS. "
-        "0: never",
+        description="a slots decode step of at most this many rows multiplies each matrix of a quantized GGUF model "
+        "(Q4_1 or Q8_0, found matrix by matrix) in its own bits: 4-bit ones through torch's int4 kernel, each "
+        "product's input rounded to bfloat16; 8-bit ones through miServer's own C kernel (built as the attention "
+        "kernel is). CPU, float32 model, eager step; larger steps and the prefill use MISERVER_DECODE_WEIGHTS. 0: "
+        "never",
     )
     decode_attention: Literal["kernel", "sdpa"] = Field(
         "kernel",

@@ -1,9 +1,11 @@
-"""A 4-bit model's matrices held in their own 4 bits (``slot_weights.int4_groups``, ``SlotModel(int4_rows=...)``).
+"""A 4-bit model's matrices held in their own 4 bits (``slot_weights.int4_groups``, the kernel of ``quantized.py``,
+``SlotModel(quantized_rows=...)``).
 
 A matrix is taken as 4-bit only when it is exactly what GGUF's Q4_1 dequantizes to (every group of 32 input columns
-``d * q + m`` in float32, ``q`` 0 to 15, ``d`` and ``m`` float16); its 4-bit product stays within bfloat16 rounding
-of the float32 one. Decode steps of at most ``int4_rows`` rows use it, larger steps the float32 layout bit for bit; a
-weight write that leaves a matrix not 4-bit sends it back to the float32 layout at the next step.
+``d * q + m`` in float32, ``q`` 0 to 15, ``d`` and ``m`` float16). Its product rounds each row's inputs to 8 bits a
+group (on AVX2, as llama.cpp does) and stays within that rounding of the float32 one; a row's bits never depend on the
+rest of the product. Decode steps of at most ``quantized_rows`` rows use it, larger steps the float32 layout bit for
+bit; a weight write that leaves a matrix not 4-bit sends it back to the float32 layout at the next step.
 """
 
 from __future__ import annotations
@@ -16,19 +18,19 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from miserver.engines.local.llama_ops import project
+from miserver.engines.local import quantized as quantized_kernel
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slot_weights import INT4_GROUP, Int4Matrix, int4_available, int4_groups
+from miserver.engines.local.slot_weights import Int4Matrix, int4_groups
 from miserver.engines.local.slots import SlotModel
 from tests.support.slot_runs import greedy, ids_of
 
-pytestmark = pytest.mark.skipif(not int4_available(torch.device("cpu")), reason="torch has no int4 kernel for the CPU")
+GROUP = quantized_kernel.GROUP
 
 
 def q4_1(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (``[out, in]``) quantized as GGUF's Q4_1 and dequantized as transformers does (float32)."""
     out, width = weight.shape
-    w = weight.reshape(out, width // INT4_GROUP, INT4_GROUP)
+    w = weight.reshape(out, width // GROUP, GROUP)
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     d = (high - low) / 15
     q = torch.where(d > 0, ((w - low) / torch.where(d > 0, d, 1.0)).round(), 0.0).clamp(0, 15)
@@ -53,25 +55,48 @@ def loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     yield load_model(resolve_model_source(str(tiny_model_dir), None), tmp_path_factory.mktemp("cache"), "cpu")
 
 
-def test_a_q4_1_matrix_is_found_and_multiplies_within_bfloat16_rounding() -> None:
-    torch.manual_seed(0)
-    w = q4_1(torch.randn(96, 128) * 0.05)
-    four = int4_groups(w)
-    assert isinstance(four, Int4Matrix) and four.group == INT4_GROUP
-    # the identity's rows read each weight back, (q - 8) * scale + zero in bfloat16: a wrong q would be a whole
-    # group step d off, bfloat16's rounding of the scale, the zero point and the output is a small part of one
-    back = project(torch.eye(128), four, None)  # [in, out]: row i is column i of w.T
-    groups = w.reshape(96, 4, 32)
-    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, 1).t()
-    assert ((back - w.t()).abs() <= step / 8).all()
-    x = torch.randn(3, 128)
-    assert torch.allclose(project(x, four, None), x @ w.t(), atol=0.02, rtol=0.02)
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> quantized_kernel.QuantizedProducts:
+    built = quantized_kernel.load(tmp_path_factory.mktemp("kernels"))
+    assert built is not None, "the test machine has a C compiler (gcc)"
+    return built
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_a_q4_1_matrix_is_found_and_multiplies_within_8_bit_rounding_of_its_inputs(
+    kernel: quantized_kernel.QuantizedProducts, rows: int
+) -> None:
+    torch.manual_seed(rows)
+    w = q4_1(torch.randn(40, 128) * 0.05)
+    found = int4_groups(w)
+    assert found is not None
+    packed, scales, mins = found
+    assert packed.dtype == torch.uint8 and packed.shape == (40, 64) and scales.shape == mins.shape == (40, 4)
+    # the identity's rows read each weight back (one input per group, which 8 bits hold exactly)
+    assert torch.allclose(kernel.int4(torch.eye(128), packed, scales, mins), w.t(), rtol=1e-6, atol=1e-7)
+    x = torch.randn(rows, 128)
+    y = kernel.int4(x, packed, scales, mins)
+    # each input moves by at most half its group's step (largest magnitude / 127 / 2)
+    step = x.reshape(rows, 4, 32).abs().amax(-1).repeat_interleave(32, 1) / 254
+    bound = step @ w.abs().t() + 1e-5
+    assert ((y - x @ w.t()).abs() <= bound).all()
+    for r in range(rows):  # a row's bits alone are its bits in company
+        assert torch.equal(kernel.int4(x[r : r + 1], packed, scales, mins)[0], y[r])
+
+
+def test_the_kernel_refuses_shapes_it_does_not_cover(kernel: quantized_kernel.QuantizedProducts) -> None:
+    packed, scales = torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="quantized product"):
+        kernel.int4(torch.zeros(1, 40), packed, scales, scales)  # 40 inputs against 64
+    with pytest.raises(ValueError, match="minimums"):
+        kernel.int4(torch.zeros(1, 64), packed, scales, torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="quantized product"):
+        kernel.int4(torch.zeros(1, 64, dtype=torch.float64), packed, scales, scales)
 
 
 def test_only_an_exact_4_bit_matrix_is_taken() -> None:
     torch.manual_seed(1)
     assert int4_groups(torch.randn(16, 64)) is None  # float
-    assert int4_groups(q4_1(torch.randn(8, 64))) is None  # 8 outputs: the kernel takes them in 16s
     w = q4_1(torch.randn(16, 64))
     assert int4_groups(w) is not None
     edited = w.clone()
@@ -84,8 +109,8 @@ def test_only_an_exact_4_bit_matrix_is_taken() -> None:
 
 
 def test_a_model_with_no_4_bit_matrix_never_multiplies_in_4_bits(loaded: LoadedModel) -> None:
-    cache = SlotModel(loaded.model, max_positions=256, weights="packed", own_prefill=True, int4_rows=8)
-    assert cache.int4_rows == 0
+    cache = SlotModel(loaded.model, max_positions=256, weights="packed", own_prefill=True, quantized_rows=8)
+    assert cache.quantized_rows == 0
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +123,17 @@ def test_small_steps_multiply_in_4_bits_and_larger_ones_in_float32(
 ) -> None:
     kwargs = {"max_positions": 256, "weights": "packed", "own_prefill": True, "attention": "kernel"}
     with torch.inference_mode():
-        four = SlotModel(four_bit, int4_rows=2, **kwargs)  # type: ignore[arg-type]
-        full = SlotModel(four_bit, int4_rows=0, **kwargs)  # type: ignore[arg-type]
-        assert four.int4_rows == 2
-        assert isinstance(four._copies.layers("packed", int4=True)[0].down, Int4Matrix)
+        four = SlotModel(four_bit, quantized_rows=2, **kwargs)  # type: ignore[arg-type]
+        full = SlotModel(four_bit, quantized_rows=0, **kwargs)  # type: ignore[arg-type]
+        assert four.quantized_rows == 2
+        assert isinstance(four._copies.layers("packed", quantized=True)[0].down, Int4Matrix)
         ids = ids_of(loaded, "tell me about the sea and the ships on it")
         got, logits = greedy(four, 0, ids, 12)
         want, ref = greedy(full, 0, ids, 12)
         assert torch.equal(logits[0], ref[0])  # the prefill (the first token) is float32's in both
         assert not torch.equal(logits[1:], ref[1:])  # the decode steps were not float32's
-        assert torch.allclose(logits, ref, atol=0.05, rtol=0)  # within bfloat16 rounding of the inputs
-        # a 3-row step (over int4_rows) is the float32 step, bit for bit
+        assert torch.allclose(logits, ref, atol=0.05, rtol=0)  # within 8-bit rounding of the inputs
+        # a 3-row step (over quantized_rows) is the float32 step, bit for bit
         for s in (1, 2, 3):
             four.prefill(s, ids)
             full.prefill(s, ids)
@@ -119,11 +144,11 @@ def test_small_steps_multiply_in_4_bits_and_larger_ones_in_float32(
 
 def test_a_weight_write_that_leaves_a_matrix_not_4_bit_sends_it_to_float32(four_bit: PreTrainedModel) -> None:
     model = copy.deepcopy(four_bit)
-    cache = SlotModel(model, max_positions=256, weights="packed", own_prefill=True, int4_rows=4)
-    assert isinstance(cache._copies.layers("packed", int4=True)[0].down, Int4Matrix)
+    cache = SlotModel(model, max_positions=256, weights="packed", own_prefill=True, quantized_rows=4)
+    assert isinstance(cache._copies.layers("packed", quantized=True)[0].down, Int4Matrix)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(1.001)
-    layer = cache._copies.layers("packed", int4=True)[0]
+    layer = cache._copies.layers("packed", quantized=True)[0]
     assert isinstance(layer.down, torch.Tensor) and layer.down.is_mkldnn  # remade: the float32 prepacked copy
     assert isinstance(layer.o, Int4Matrix)  # the others stay 4-bit
     with torch.inference_mode():

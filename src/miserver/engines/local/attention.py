@@ -1,58 +1,28 @@
-"""The decode step's attention kernel: ``attention.c``, built on first use with the machine's C compiler and loaded
-with ctypes.
+"""The decode step's attention kernel: ``attention.c``, built and loaded by ``native``.
 
 torch's fused attention runs a decode step's grouped-query attention as one small matrix product per row and kv
 head over the longest row's width (masked), and those small products cost far more than the bytes they read. The
 kernel reads each row's own columns only, once for its whole query group, with the products and the softmax
 vectorised by the compiler (see the C source for the shapes and the order of operations). A row's result never
-depends on the rest of its step. It runs on torch's own OpenMP threads: it is linked against ``libgomp.so.1``, the
-runtime torch has already loaded, and asks for ``torch.get_num_threads()`` threads.
-
-The shared object is built once per source, compiler and processor (``-march=native``) under the cache folder
-given to :func:`load` and reused by later starts; the build takes about a second. Without a compiler, or when the
-build or the load fails, :func:`load` logs why and returns None: the slot forward then uses torch's attention.
+depends on the rest of its step. It asks for ``torch.get_num_threads()`` threads.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from miserver.engines.local import native
 
 SOURCE = Path(__file__).with_name("attention.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wno-psabi")
 #: the query group a task holds (``heads / kv_heads``), as ``MAX_GROUP`` in the C source
 MAX_GROUP = 16
 #: head_dim must be a multiple of this
 LANES = 16
 #: the widest head_dim (``LANES * MAX_CHUNKS`` in the C source)
 MAX_HEAD_DIM = 256
-
-
-def default_folder() -> Path:
-    """``$XDG_CACHE_HOME/miserver/kernels`` (``~/.cache/miserver/kernels``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "miserver" / "kernels"
-
-
-def _processor() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and flags (Linux), else the platform's machine name."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep))) or platform.machine()
 
 
 class DecodeAttention:
@@ -126,29 +96,7 @@ class DecodeAttention:
 
 
 def load(folder: Path | None = None) -> DecodeAttention | None:
-    """The kernel, built under ``folder`` (default :func:`default_folder`) unless a build for this source, compiler
-    and processor is there; None (logged) when it cannot be built or loaded. The compiler is ``$CC`` or ``cc``."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        log.warning("no C compiler (%s): the decode step uses torch's attention", compiler)
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256(
-            "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _processor()]).encode()
-        ).hexdigest()[:16]
-        folder = folder or default_folder()
-        target = folder / f"attention-{key}.so"
-        if not target.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as scratch:
-                built = Path(scratch) / target.name
-                subprocess.run(
-                    [compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, check=True
-                )
-                os.replace(built, target)  # atomic: a concurrent start loads one whole file or builds its own
-        return DecodeAttention(ctypes.CDLL(str(target)))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        log.warning("the decode attention kernel was not built (%s): the decode step uses torch's attention", detail)
-        return None
+    """The kernel, built under ``folder`` (default ``native.default_folder()``) unless a build for this source,
+    compiler and processor is there; None (logged) when it cannot be built or loaded (see ``native.build``)."""
+    library = native.build(SOURCE, folder, "decode attention kernel", "the decode step uses torch's attention")
+    return None if library is None else DecodeAttention(library)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from miserver.engines.local.slot_weights import Int4Matrix, Matrix, Projections
+from miserver.engines.local.slot_weights import Int4Matrix, Int8Matrix, Matrix, Projections
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,14 @@ def compile_forward(forward: Callable[..., torch.Tensor]) -> Callable[..., torch
 def project(x: torch.Tensor, matrix: Matrix, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ matrix`` (``[rows, in] @ [in, out]``), plus ``bias`` (``[out]``) when there is one; a oneDNN
     ``matrix`` is the ``[out, in]`` weight prepacked (``slot_weights.WeightCopies.matrix``), multiplied by oneDNN's
-    linear; a 4-bit one (``slot_weights.Int4Matrix``) by torch's int4 kernel, ``x`` rounded to bfloat16 and the
-    product returned in ``x``'s dtype."""
-    if isinstance(matrix, Int4Matrix):
-        four: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16).contiguous(), matrix.packed, matrix.group, matrix.scales_zeros
-        )
-        four = four.to(x.dtype)
-        return four if bias is None else four + bias
+    linear; a 4-bit or 8-bit one (``slot_weights.Int4Matrix``, ``Int8Matrix``; float32 ``x``) by the quantized
+    product kernel (``quantized.py``)."""
+    if isinstance(matrix, Int4Matrix | Int8Matrix):
+        if isinstance(matrix, Int4Matrix):
+            own = matrix.product.int4(x, matrix.packed, matrix.scales, matrix.mins)
+        else:
+            own = matrix.product.int8(x, matrix.q, matrix.scales)
+        return own if bias is None else own + bias
     if matrix.is_mkldnn:
         if matrix.dtype == x.dtype:
             y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, bias, "none", [], "")

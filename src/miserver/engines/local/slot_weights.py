@@ -3,9 +3,10 @@ in, and the copies made for them, remade when a weight write changes their param
 
 Each layout is what ``llama_ops.project`` multiplies by: ``"view"``, a transposed view of the model's own ``[out,
 in]`` weight (no copy); ``"transposed"``, a contiguous ``[in, out]`` copy; ``"packed"``, a copy prepacked for oneDNN
-in the model's dtype; ``"bfloat16"``, a bfloat16 copy prepacked for oneDNN. Beside them, a 4-bit model's matrices
-(GGUF's Q4_1, as transformers dequantizes it) can be held in their own 4 bits (:class:`Int4Matrix`, found matrix by
-matrix by :func:`int4_groups`), for decode steps of a few rows.
+in the model's dtype; ``"bfloat16"``, a bfloat16 copy prepacked for oneDNN. Beside them, a quantized model's
+matrices, as transformers dequantizes them from GGUF, can be held in their own bits for decode steps of a few rows:
+4-bit ones (GGUF's Q4_1) as :class:`Int4Matrix` (found matrix by matrix by :func:`int4_groups`), 8-bit ones (GGUF's
+Q8_0) as :class:`Int8Matrix` (:func:`int8_groups`).
 """
 
 from __future__ import annotations
@@ -17,26 +18,39 @@ from typing import Literal, TypeVar, cast, get_args
 import torch
 from transformers import PreTrainedModel
 
+from miserver.engines.local.quantized import GROUP, QuantizedProducts
+
 #: How the slot forward holds the projection weights and the output head (see :class:`SlotModel`).
 WeightLayout = Literal["bfloat16", "packed", "transposed", "view"]
 WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = get_args(WeightLayout)
-#: Input columns per group of a 4-bit matrix: the block of GGUF's Q4_1, a group size torch's int4 kernel takes.
-INT4_GROUP = 32
 
 
 @dataclass(frozen=True)
 class Int4Matrix:
-    """A ``[out, in]`` weight held in 4 bits, for torch's int4 kernel (``llama_ops.project``): ``packed`` is its
-    values ``q`` (0 to 15) in the kernel's layout, ``scales_zeros`` (``[in / group, out, 2]``, bfloat16) each group's
-    scale and zero point, the weight being ``(q - 8) * scale + zero``; ``group`` input columns share them."""
+    """A ``[out, in]`` weight held in 4 bits as GGUF's Q4_1 holds it, for the quantized product kernel
+    (``llama_ops.project``): ``packed`` (``[out, in / 2]``, uint8) its values ``q`` (0 to 15) two to a byte (byte
+    ``j`` of a group's 16 holds ``q[j]`` low and ``q[j + 16]`` high), ``scales`` and ``mins`` (``[out, in / 32]``,
+    float32) each group's ``d`` and ``m``, the weight being ``d * q + m``; ``product`` the loaded kernel."""
 
     packed: torch.Tensor
-    scales_zeros: torch.Tensor
-    group: int
+    scales: torch.Tensor
+    mins: torch.Tensor
+    product: QuantizedProducts
 
 
-#: What ``llama_ops.project`` multiplies by: a tensor in one of the layouts above, or a 4-bit matrix.
-Matrix = torch.Tensor | Int4Matrix
+@dataclass(frozen=True)
+class Int8Matrix:
+    """A ``[out, in]`` weight held in 8 bits as GGUF's Q8_0 holds it, for the quantized product kernel
+    (``llama_ops.project``): ``q`` (``[out, in]``, int8) and ``scales`` (``[out, in / 32]``, float32), the weight
+    being ``scales[o, i / 32] * q[o, i]``; ``product`` the loaded kernel."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    product: QuantizedProducts
+
+
+#: What ``llama_ops.project`` multiplies by: a tensor in one of the layouts above, or a 4-bit or 8-bit matrix.
+Matrix = torch.Tensor | Int4Matrix | Int8Matrix
 _Copy = TypeVar("_Copy", bound="Matrix | None")
 
 
@@ -52,41 +66,31 @@ def bfloat16_available() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def int4_available(device: torch.device) -> bool:
-    """Whether torch's int4 kernel for the CPU is there, and ``device`` is a CPU."""
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-
-
-def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Matrix | None:
-    """``weight`` (``[out, in]``, float32) in 4 bits, when it is exactly a 4-bit matrix as GGUF's Q4_1 stores one
-    and transformers dequantizes it: every ``group`` input columns of a row hold ``d * q + m`` computed in float32,
-    with ``q`` in 0 to 15 and ``d``, ``m`` float16 values (the group's least value has ``q`` 0, its greatest 15, as
-    Q4_1's quantizer makes them). None for any other weight (float, 8-bit, another grouping, an edited one, or one
-    whose outputs are not a multiple of 16, which the kernel needs): the values found are multiplied back and
-    compared with ``weight`` bit for bit.
-
-    The kernel's scale and zero point are bfloat16: ``d`` and ``m + 8 d`` rounded to 8 significant bits, so a weight
-    moves by at most ``d / 64`` plus ``2**-9`` of ``|m + 8 d|`` (in a group that straddles zero, as Llama's do,
-    ``m + 8 d`` is a few ``d`` at most, so about ``d / 64`` in all); the ``"bfloat16"`` layout rounds each weight by
-    up to ``2**-9`` of its size."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % group or weight.shape[0] % 16:
-        return None  # the kernel takes whole groups, and outputs in 16s
-    out, width = weight.shape
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(packed, scales, mins)`` of :class:`Int4Matrix` for ``weight`` (``[out, in]``, float32), when it is exactly
+    a 4-bit matrix as GGUF's Q4_1 stores one and transformers dequantizes it: every 32 input columns of a row hold
+    ``d * q + m`` computed in float32, with ``q`` in 0 to 15 and ``d``, ``m`` float16 values (the group's least
+    value has ``q`` 0, its greatest 15, as Q4_1's quantizer makes them). None for any other weight (float, 8-bit,
+    another grouping, an edited one): the values found are multiplied back and compared with ``weight`` bit for
+    bit."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GROUP:
+        return None
     if _four_bit(weight[:1]) is None:  # the first row first: most weights are not 4-bit, and this is cheap
         return None
     found = _four_bit(weight)
     if found is None:
         return None
-    q, d, low = found
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out, width).to(torch.int32), 1)
-    scales_zeros = torch.stack([d[..., 0].t(), (low + 8 * d)[..., 0].t()], dim=-1).to(torch.bfloat16)
-    return Int4Matrix(packed, scales_zeros.contiguous(), group)
+    q, d, low = found  # q [out, in / 32, 32]
+    nibbles = q.to(torch.uint8)
+    packed = nibbles[..., : GROUP // 2] | (nibbles[..., GROUP // 2 :] << 4)
+    out = weight.shape[0]
+    return packed.reshape(out, -1).contiguous(), d[..., 0].contiguous(), low[..., 0].contiguous()
 
 
-def _four_bit(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _four_bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(q, d, m)`` of :func:`int4_groups` for ``weight`` (``q`` ``[out, in / group, group]``, ``d`` and ``m``
     ``[out, in / group, 1]``, float32), or None when it is not exactly 4-bit."""
-    w = weight.detach().reshape(weight.shape[0], -1, group)
+    w = weight.detach().reshape(weight.shape[0], -1, GROUP)
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     d = ((high - low) / 15).half().float()
     if not (torch.isfinite(d).all() and torch.equal(low.half().float(), low)):
@@ -95,6 +99,40 @@ def _four_bit(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tens
     if not torch.equal(d * q + low, w):
         return None
     return q, d, low
+
+
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q, scales)`` of :class:`Int8Matrix` for ``weight`` (``[out, in]``, float32), when it is exactly an 8-bit
+    matrix as GGUF's Q8_0 stores one and transformers dequantizes it: every 32 input columns of a row hold ``d * q``
+    with ``q`` an int8 and ``d`` a float16 value, the group's largest magnitude being ``127 d`` (as Q8_0's quantizer
+    makes it). None for any other weight (float, 4-bit, another grouping, an edited one): the values found are
+    multiplied back and compared with ``weight`` bit for bit."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GROUP:
+        return None
+    w = weight.detach()
+    if _eight_bit(w[:1]) is None:  # the first row first: most weights are not 8-bit, and this is cheap
+        return None
+    return _eight_bit(w)
+
+
+def _eight_bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`int8_groups` of ``weight`` without the shape checks."""
+    w = weight.reshape(weight.shape[0], -1, GROUP)
+    d = (w.abs().amax(-1, keepdim=True) / 127).half().float()
+    if not torch.isfinite(d).all():
+        return None
+    q = torch.where(d > 0, w / torch.where(d > 0, d, 1.0), 0.0).round()
+    if q.abs().max() > 127 or not torch.equal(d * q, w):
+        return None
+    return q.to(torch.int8).reshape(weight.shape).contiguous(), d[..., 0].contiguous()
+
+
+def has_quantized(model: PreTrainedModel) -> bool:
+    """Whether ``model`` holds quantized matrices (exactly 4-bit or 8-bit, :func:`int4_groups`, :func:`int8_groups`):
+    its first layer's query projection or its output head does."""
+    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    weights = [model.model.layers[0].self_attn.q_proj.weight, head.weight]
+    return any(int4_groups(w.detach()) is not None or int8_groups(w.detach()) is not None for w in weights)
 
 
 @dataclass(frozen=True)
@@ -127,42 +165,77 @@ class Layer:
 
 class WeightCopies:
     """The layer tensors and matrices of ``model`` in each layout, the copies kept between steps (one per parameter,
-    or stack of parameters, and layout) and remade at the next use after a weight write."""
+    or stack of parameters, and layout) and remade at the next use after a weight write. ``products`` is the
+    quantized product kernel (None: quantized matrices stay in the layouts)."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, products: QuantizedProducts | None = None) -> None:
         self.model = model
-        # (ids of the params, layout) -> ((data_ptr, version) of each, copy; None: no 4-bit form)
+        self.products = products
+        # (layout, quantized) -> (stamp of the tensors read, layers)
+        self._layers: dict[tuple[str, bool], tuple[list[tuple[int, int, int]], list[Layer]]] = {}
+        # (ids of the params, layout) -> ((data_ptr, version) of each, copy; None: no quantized form)
         self._copies: dict[tuple[tuple[int, ...], str], tuple[list[tuple[int, int]], object]] = {}
 
-    def layers(self, layout: WeightLayout, *, int4: bool = False) -> list[Layer]:
+    def layers(self, layout: WeightLayout, *, quantized: bool = False) -> list[Layer]:
         """Each layer's tensors in ``layout``, read from the model now (weight edits replace or change them in
-        place); with ``int4``, every matrix that is exactly 4-bit (:func:`int4_groups`) as an :class:`Int4Matrix`
-        instead."""
+        place); with ``quantized``, every matrix held in its own bits instead where it can be (see :meth:`matrix`).
+        The list is kept while every tensor it was read from is the same tensor, over the same storage, at the same
+        version (checked at each call, a fraction of the cost of reading the list again)."""
+        stamp = self._stamp()
+        kept = self._layers.get((layout, quantized))
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        out = self._read_layers(layout, quantized)
+        self._layers[(layout, quantized)] = (stamp, out)
+        return out
+
+    def _stamp(self) -> list[tuple[int, int, int]]:
+        """``(id, data_ptr, version)`` of every tensor :meth:`layers` reads (an inference tensor's version as 0:
+        it keeps none, and the layers hold views of it, which see its writes)."""
+        stamp = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for linear in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            ):
+                tensors += [linear.weight, linear.bias]
+            for t in tensors:
+                if t is not None:
+                    stamp.append((id(t), t.data_ptr(), 0 if t.is_inference() else t._version))
+        return stamp
+
+    def _read_layers(self, layout: WeightLayout, quantized: bool) -> list[Layer]:
+        """:meth:`layers`, read from the model."""
         out = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             out.append(
                 Layer(
                     layer.input_layernorm.weight,
-                    self.projections([attn.q_proj, attn.k_proj, attn.v_proj], layout, int4=int4),
-                    self.matrix(attn.o_proj.weight, layout, int4=int4),
+                    self.projections([attn.q_proj, attn.k_proj, attn.v_proj], layout, quantized=quantized),
+                    self.matrix(attn.o_proj.weight, layout, quantized=quantized),
                     attn.o_proj.bias,
                     layer.post_attention_layernorm.weight,
-                    self.projections([mlp.gate_proj, mlp.up_proj], layout, int4=int4),
-                    self.matrix(mlp.down_proj.weight, layout, int4=int4),
+                    self.projections([mlp.gate_proj, mlp.up_proj], layout, quantized=quantized),
+                    self.matrix(mlp.down_proj.weight, layout, quantized=quantized),
                 )
             )
         return out
 
-    def has_int4(self, layout: WeightLayout) -> bool:
-        """Whether the model is 4-bit: its first layer's fused query, key and value matrix is (:func:`int4_groups`)."""
-        return isinstance(self.layers(layout, int4=True)[0].qkv.matrices[0], Int4Matrix)
-
-    def projections(self, linears: list[torch.nn.Linear], layout: WeightLayout, *, int4: bool = False) -> Projections:
+    def projections(
+        self, linears: list[torch.nn.Linear], layout: WeightLayout, *, quantized: bool = False
+    ) -> Projections:
         """The ``linears`` (modules reading one input) as :class:`Projections` in ``layout``: one fused copy of their
         stacked weights (and biases), except in the ``"view"`` layout or when a weight is an inference tensor (its
-        writes cannot be watched), where each keeps its own matrix; with ``int4``, the fused matrix in 4 bits where
-        it is 4-bit."""
+        writes cannot be watched), where each keeps its own matrix; with ``quantized``, the fused matrix in its own
+        bits where it can be (see :meth:`matrix`)."""
         weights = [m.weight for m in linears]
         biases = [m.bias for m in linears]
         sizes = tuple(int(w.shape[0]) for w in weights)
@@ -172,7 +245,7 @@ class WeightCopies:
         def fused() -> torch.Tensor:
             return torch.cat([w.detach() for w in weights])
 
-        matrix: Matrix | None = self._copy(weights, "int4", lambda: int4_groups(fused())) if int4 else None
+        matrix = self._quantized(weights, fused) if quantized else None
         if matrix is None:
             matrix = self._copy(weights, layout, lambda: self._made(fused(), layout))
         bias = None
@@ -181,15 +254,32 @@ class WeightCopies:
             bias = self._copy(parts, "bias", lambda: torch.cat([p.detach() for p in parts]))
         return Projections((matrix,), (bias,), sizes)
 
-    def matrix(self, weight: torch.Tensor, layout: WeightLayout, *, int4: bool = False) -> Matrix:
+    def matrix(self, weight: torch.Tensor, layout: WeightLayout, *, quantized: bool = False) -> Matrix:
         """What ``llama_ops.project`` multiplies by for the ``[out, in]`` ``weight``: its transposed
-        view, or a copy (contiguous ``[in, out]``, or prepacked for oneDNN; with ``int4``, its 4 bits where it is
-        4-bit) remade when the parameter's storage or version changed since it was made."""
+        view, or a copy (contiguous ``[in, out]``, or prepacked for oneDNN; with ``quantized`` and the kernel
+        loaded, its own bits where it is exactly 4-bit, :func:`int4_groups`, or 8-bit, :func:`int8_groups`) remade
+        when the parameter's storage or version changed since it was made."""
         if layout == "view" or weight.is_inference():  # an inference tensor keeps no version to watch
             return weight.t()
-        if int4 and (four := self._copy([weight], "int4", lambda: int4_groups(weight.detach()))) is not None:
-            return four
+        if quantized and (own := self._quantized([weight], weight.detach)) is not None:
+            return own
         return self._copy([weight], layout, lambda: self._made(weight.detach(), layout))
+
+    def _quantized(self, sources: list[torch.Tensor], weight: Callable[[], torch.Tensor]) -> Matrix | None:
+        """The ``[out, in]`` matrix ``weight()`` (made from ``sources``) in its own bits, or None (each answer kept
+        as :meth:`_copy` keeps copies)."""
+        products = self.products
+        if products is None:
+            return None
+
+        def made() -> Int4Matrix | Int8Matrix | None:
+            w = weight()
+            if (four := int4_groups(w)) is not None:
+                return Int4Matrix(*four, products)
+            eight = int8_groups(w)
+            return None if eight is None else Int8Matrix(*eight, products)
+
+        return self._copy(sources, "quantized", made)
 
     @staticmethod
     def _made(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch.nn.functional as F  # noqa: N812
 from transformers import PreTrainedModel
 
 from miserver.engines.local import attention as attention_kernel
+from miserver.engines.local import quantized as quantized_kernel
 from miserver.engines.local.generate import prefill
 from miserver.engines.local.llama_ops import (
     compile_forward,
@@ -50,7 +51,7 @@ from miserver.engines.local.slot_weights import (
     WeightCopies,
     WeightLayout,
     bfloat16_available,
-    int4_available,
+    has_quantized,
     packing_available,
 )
 
@@ -107,6 +108,12 @@ class SlotModel:
     eager from then on. ``attention`` says how the decode step attends: ``"kernel"``, the native kernel of
     ``attention.py`` (each row over its own columns; built under ``kernel_folder``), where it covers the model and
     builds, and not with ``compile``; else ``"sdpa"``, torch's fused attention over the longest row's width, masked.
+    With ``quantized_rows`` above 0 (float32 model on the CPU, eager, a layout other than ``"view"``), a decode step
+    of at most that many rows multiplies each matrix that is exactly a GGUF 4-bit (``Q4_1``) or 8-bit (``Q8_0``) one
+    in its own bits (``slot_weights.WeightCopies.matrix``, through the kernel of ``quantized.py`` built under
+    ``kernel_folder``): fewer bytes read per token; 4-bit products round their inputs to 8 bits a group on AVX2 (as
+    llama.cpp does), 8-bit ones differ from float32 in the order of their additions. Larger steps and the prefill
+    multiply in ``weights``. It stays 0 for a model with no such matrix, or without a C compiler.
     """
 
     def __init__(
@@ -120,7 +127,7 @@ class SlotModel:
         attention: AttentionKind = "sdpa",
         kv_cache: KVCacheKind = "model",
         kernel_folder: Path | None = None,
-        int4_rows: int = 0,
+        quantized_rows: int = 0,
     ) -> None:
         if not supported(model):
             raise ValueError(f"the slot forward does not cover {type(model).__name__} ({model.config.model_type})")
@@ -142,8 +149,6 @@ class SlotModel:
         self._compiled: Callable[..., torch.Tensor] | None = None
         if compile:
             self._compiled = compile_forward(self._forward)
-        #: the weights in each layout (see ``slot_weights``)
-        self._copies = WeightCopies(model)
         device, dtype = model.device, model.dtype
         self.device, self.dtype = device, dtype
         asked = weights
@@ -152,9 +157,13 @@ class SlotModel:
         if weights == "packed" and not packing_available(device, dtype):
             weights = "transposed" if device.type == "cpu" else "view"
         self.weights: WeightLayout = weights
-        four = int4_available(device) and dtype == torch.float32 and not compile and weights != "view"
-        #: decode steps of at most this many rows multiply 4-bit matrices in 4 bits (0: never)
-        self.int4_rows = int4_rows if int4_rows > 0 and four and self._copies.has_int4(weights) else 0
+        own_bits = quantized_rows > 0 and dtype == torch.float32 and not compile and weights != "view"
+        own_bits = own_bits and device.type == "cpu" and has_quantized(model)
+        products = quantized_kernel.load(kernel_folder) if own_bits else None
+        #: the weights in each layout (see ``slot_weights``), with the quantized product kernel where it was loaded
+        self._copies = WeightCopies(model, products)
+        #: decode steps of at most this many rows multiply 4-bit and 8-bit matrices in their own bits (0: never)
+        self.quantized_rows = quantized_rows if products is not None else 0
         #: the native decode attention, or None: torch's
         self._kernel: attention_kernel.DecodeAttention | None = None
         covered = attention_kernel.DecodeAttention.covers(self.heads, self.kv_heads, self.head_dim, dtype, device)
@@ -167,7 +176,8 @@ class SlotModel:
             "slot forward: decode step weights %s%s%s, attention %s, KV cache %s",
             weights,
             f" ({asked} is not available here)" * (asked != weights),
-            f", 4-bit matrices in 4 bits in steps of up to {self.int4_rows} rows" * (self.int4_rows > 0),
+            f", quantized matrices in their own bits in steps of up to {self.quantized_rows} rows"
+            * (self.quantized_rows > 0),
             self.attention,
             self.kv_dtype,
         )
@@ -272,8 +282,8 @@ class SlotModel:
         with layer 0's weights and the output head in the decode step's layout: one layer without attention (whose
         input stands in for the attention's output), then the final norm and the logits."""
         b = x.shape[0]
-        int4 = b <= self.int4_rows
-        layer = self._copies.layers(self.weights, int4=int4)[0]
+        quantized = b <= self.quantized_rows
+        layer = self._copies.layers(self.weights, quantized=quantized)[0]
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         cos, sin = self._cos[positions], self._sin[positions]
         q, k, v = project_all(rms_norm(x, layer.norm_in, self.eps), layer.qkv)
@@ -284,7 +294,7 @@ class SlotModel:
         gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
         hidden = hidden + project(F.silu(gate) * up, layer.down, None)
         last = rms_norm(hidden, self._norm.weight, self._norm_eps)
-        logits = project(last, self._copies.matrix(head.weight, self.weights, int4=int4), head.bias).float()
+        logits = project(last, self._copies.matrix(head.weight, self.weights, quantized=quantized), head.bias).float()
         return k.to(self.kv_dtype), v, logits
 
     def release(self, slot: int) -> None:
@@ -321,9 +331,9 @@ class SlotModel:
         seen = torch.ones(rows, dtype=torch.long, device=device)
         seen[slot_t - lo] = pos_t + 1
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        int4 = len(slots) <= self.int4_rows
-        layers = self._copies.layers(self.weights, int4=int4)
-        matrix = self._copies.matrix(head.weight, self.weights, int4=int4)
+        quantized = len(slots) <= self.quantized_rows
+        layers = self._copies.layers(self.weights, quantized=quantized)
+        matrix = self._copies.matrix(head.weight, self.weights, quantized=quantized)
         args = (tokens_t, slot_t, pos_t, seen, lo, max(lengths) + 1, layers, matrix)
         if self._compiled is not None:
             try:

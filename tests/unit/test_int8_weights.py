@@ -1,0 +1,130 @@
+"""An 8-bit model's matrices held in their own 8 bits (``slot_weights.int8_groups``, the kernel of
+``quantized.py``, ``SlotModel(quantized_rows=...)``).
+
+A matrix is taken as 8-bit only when it is exactly what GGUF's Q8_0 dequantizes to (every group of 32 input columns
+``d * q`` in float32, ``q`` an int8, ``d`` float16). The kernel forms each weight exactly and differs from a float32
+product in the order of its additions only; a row's bits never depend on the rest of the product. Decode steps of at
+most ``quantized_rows`` rows use it, larger steps the float32 layout bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from miserver.engines.local import quantized as quantized_kernel
+from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
+from miserver.engines.local.slot_weights import Int8Matrix, int8_groups
+from miserver.engines.local.slots import SlotModel
+from tests.support.slot_runs import greedy, ids_of
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]``) quantized as GGUF's Q8_0 and dequantized as transformers does (float32)."""
+    out, width = weight.shape
+    w = weight.reshape(out, width // 32, 32)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, w / torch.where(d > 0, d, 1.0), 0.0).round()
+    return (d.half().float() * q).reshape(out, width)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> quantized_kernel.QuantizedProducts:
+    built = quantized_kernel.load(tmp_path_factory.mktemp("kernels"))
+    assert built is not None, "the test machine has a C compiler (gcc)"
+    return built
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoadedModel]:
+    yield load_model(resolve_model_source(str(tiny_model_dir), None), tmp_path_factory.mktemp("cache"), "cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_the_kernel_computes_the_product_and_each_row_alone_has_its_bits(
+    kernel: quantized_kernel.QuantizedProducts, rows: int
+) -> None:
+    torch.manual_seed(rows)
+    w = q8_0(torch.randn(48, 96) * 0.05)
+    found = int8_groups(w)
+    assert found is not None
+    q, scales = found
+    assert q.dtype == torch.int8 and scales.shape == (48, 3)
+    x = torch.randn(rows, 96)
+    y = kernel.int8(x, q, scales)
+    assert torch.allclose(y, x @ w.t(), atol=1e-5, rtol=1e-5)
+    for r in range(rows):
+        assert torch.equal(kernel.int8(x[r : r + 1], q, scales)[0], y[r])
+
+
+def test_the_kernel_refuses_shapes_it_does_not_cover(kernel: quantized_kernel.QuantizedProducts) -> None:
+    q = torch.zeros(4, 40, dtype=torch.int8)
+    with pytest.raises(ValueError, match="quantized product"):
+        kernel.int8(torch.zeros(1, 40), q, torch.zeros(4, 1))  # 40 inputs: not whole groups
+    with pytest.raises(ValueError, match="quantized product"):
+        kernel.int8(torch.zeros(1, 64), torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="quantized product"):
+        kernel.int8(torch.zeros(1, 64), torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2))
+
+
+def test_only_an_exact_8_bit_matrix_is_taken() -> None:
+    torch.manual_seed(1)
+    assert int8_groups(torch.randn(16, 64)) is None  # float
+    w = q8_0(torch.randn(16, 64))
+    assert int8_groups(w) is not None
+    edited = w.clone()
+    edited[5, 40] += 1e-3  # one weight off its group's grid
+    assert int8_groups(edited) is None
+    assert int8_groups(w[:, :40]) is None  # 40 columns: not whole groups
+    assert int8_groups(w.double()) is None
+    scaled = w.clone()
+    scaled[3] *= 1.001  # a row whose scale is no float16
+    assert int8_groups(scaled) is None
+
+
+def eight_bit(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of ``model`` whose output head (tied to the embedding) is Q8_0, its layers float32."""
+    eight = copy.deepcopy(model)
+    with torch.no_grad():
+        head = eight.get_output_embeddings().weight  # type: ignore[no-untyped-call]  # unannotated in transformers
+        head.copy_(q8_0(head))
+    return eight
+
+
+def test_small_steps_multiply_the_8_bit_head_in_8_bits_and_larger_ones_in_float32(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    model = eight_bit(loaded.model)
+    kwargs = {"max_positions": 256, "weights": "packed", "own_prefill": True, "attention": "kernel"}
+    with torch.inference_mode():
+        eight = SlotModel(model, quantized_rows=2, kernel_folder=tmp_path, **kwargs)  # type: ignore[arg-type]
+        full = SlotModel(model, quantized_rows=0, kernel_folder=tmp_path, **kwargs)  # type: ignore[arg-type]
+        assert eight.quantized_rows == 2
+        head = model.get_output_embeddings().weight  # type: ignore[no-untyped-call]
+        assert isinstance(eight._copies.matrix(head, "packed", quantized=True), Int8Matrix)
+        ids = ids_of(loaded, "tell me about the sea and the ships on it")
+        got, logits = greedy(eight, 0, ids, 12)
+        want, ref = greedy(full, 0, ids, 12)
+        assert torch.equal(logits[0], ref[0])  # the prefill (the first token) is float32's in both
+        assert torch.allclose(logits, ref, atol=1e-4, rtol=0)  # the additions' order only
+        assert got == want
+        # a 3-row step (over quantized_rows) is the float32 step, bit for bit
+        for s in (1, 2, 3):
+            eight.prefill(s, ids)
+            full.prefill(s, ids)
+        assert torch.equal(eight.decode([1, 2, 3], [5, 6, 7]), full.decode([1, 2, 3], [5, 6, 7]))
+        assert eight.independent_rows(2)
+
+
+def test_without_a_compiler_an_8_bit_head_stays_float32(
+    loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cache = SlotModel(eight_bit(loaded.model), max_positions=64, weights="packed", quantized_rows=4)
+    assert cache.quantized_rows == 0
+    assert "no C compiler" in caplog.text
