@@ -59,8 +59,11 @@ def project_all(x: torch.Tensor, group: Projections) -> list[torch.Tensor]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm of ``x`` (``[..., hidden]``), the operations of transformers' ``LlamaRMSNorm`` in order."""
+    """Llama's RMSNorm of ``x`` (``[..., hidden]``), the operations of transformers' ``LlamaRMSNorm`` in order (its
+    casts to and from float32 skipped for a float32 ``x``: the same bits)."""
     dtype = x.dtype
+    if dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)

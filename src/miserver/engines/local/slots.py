@@ -286,9 +286,7 @@ class SlotModel:
         layer = self._copies.layers(self.weights, quantized=quantized)[0]
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         cos, sin = self._cos[positions], self._sin[positions]
-        q, k, v = project_all(rms_norm(x, layer.norm_in, self.eps), layer.qkv)
-        q = rotate(q.reshape(b, self.heads, self.head_dim), cos, sin)
-        k = rotate(k.reshape(b, self.kv_heads, self.head_dim), cos, sin)
+        q, k, v = self._attention_inputs(x, layer, cos, sin)
         v = v.to(self.kv_dtype)
         hidden = x + project(q.reshape(b, -1), layer.o, layer.o_bias)
         gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
@@ -358,7 +356,6 @@ class SlotModel:
         """The decode forward of ``tokens`` (``[B]``) into the slots ``slot_t`` at positions ``pos_t`` (``[B]``),
         attending over the slot range ``lo .. lo + len(seen) - 1``, row ``r`` to its first ``seen[r]`` columns, at
         most ``width``; ``head`` is the ``[hidden, vocab]`` output matrix. Returns float32 logits ``[B, vocab]``."""
-        b = tokens.shape[0]
         row_t = slot_t - lo
         hidden = self._embed(tokens)  # [B, hidden]
         cos, sin = self._cos[pos_t], self._sin[pos_t]  # [B, head_dim]
@@ -366,10 +363,7 @@ class SlotModel:
         columns = pos_t + 1  # [B]: each row's own columns (the kernel's)
         mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
         for i, layer in enumerate(layers):
-            q, k, v = project_all(rms_norm(hidden, layer.norm_in, self.eps), layer.qkv)
-            v = v.reshape(b, self.kv_heads, self.head_dim)
-            q = rotate(q.reshape(b, self.heads, self.head_dim), cos, sin)
-            k = rotate(k.reshape(b, self.kv_heads, self.head_dim), cos, sin)
+            q, k, v = self._attention_inputs(hidden, layer, cos, sin)
             self._keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
             self._values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)
             if kernel is not None:
@@ -388,15 +382,11 @@ class SlotModel:
         columns; float32 logits ``[vocab]`` of each prompt's last position (the output head runs on those only)."""
         lengths = [int(ids.shape[0]) for ids in prompts]
         ids = torch.cat(prompts)  # [N]
-        rows = ids.shape[0]
         positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
         hidden = self._embed(ids)  # [N, hidden]
         cos, sin = self._cos[positions], self._sin[positions]
         for i, layer in enumerate(self._copies.layers(self.prefill_weights)):
-            q, k, v = project_all(rms_norm(hidden, layer.norm_in, self.eps), layer.qkv)
-            v = v.reshape(rows, self.kv_heads, self.head_dim)
-            q = rotate(q.reshape(rows, self.heads, self.head_dim), cos, sin)
-            k = rotate(k.reshape(rows, self.kv_heads, self.head_dim), cos, sin)
+            q, k, v = self._attention_inputs(hidden, layer, cos, sin)
             parts, start = [], 0
             for slot, n in zip(slots, lengths, strict=True):
                 keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
@@ -415,6 +405,23 @@ class SlotModel:
         last = rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         return list(project(last, self._copies.matrix(head.weight, self.prefill_weights), head.bias).float())
+
+    def _attention_inputs(
+        self, hidden: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries and keys, rotated, and the values of ``hidden`` (``[rows, hidden]``) at the positions of
+        ``cos`` and ``sin`` (``[rows, head_dim]``): ``[rows, heads, head_dim]``, ``[rows, kv_heads, head_dim]`` twice.
+        From one fused product, the queries and keys (neighbours in its output) are rotated as one tensor."""
+        rows, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
+        x = rms_norm(hidden, layer.norm_in, self.eps)
+        if len(layer.qkv.matrices) == 1:
+            y = project(x, layer.qkv.matrices[0], layer.qkv.biases[0])  # [rows, (heads + 2 kv_heads) * dim]
+            qk = rotate(y[:, : (heads + kv_heads) * dim].reshape(rows, heads + kv_heads, dim), cos, sin)
+            return qk[:, :heads], qk[:, heads:], y[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
+        q, k, v = project_all(x, layer.qkv)
+        q = rotate(q.reshape(rows, heads, dim), cos, sin)
+        k = rotate(k.reshape(rows, kv_heads, dim), cos, sin)
+        return q, k, v.reshape(rows, kv_heads, dim)
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
