@@ -19,8 +19,10 @@
  * 4-bit, where the compiler targets AVX2: as llama.cpp multiplies a Q4_1 matrix, each row's inputs are first
  * quantized per group of 32 to int8 (scale dx = the group's largest magnitude / 127, x8 = x / dx rounded to
  * nearest, ties to even), and each group's products are integer: s = sum of q * x8 (exact, in int32, eight partial
- * sums of four products). Per row and output, one 8-lane float sum adds s * (d * dx) group by group; the result is
- * its sum8 plus the minimums' part, the sum over groups in order of m * (dx * the sum of the group's x8). The
+ * sums of four products). Per row and output, one 8-lane float sum adds s * (d * dx) group by group (fused
+ * multiply-adds where the processor has FMA); the result is its sum8 plus the minimums' part, the sum over groups
+ * of m * (dx * the sum of the group's x8): eight lanes, lane l adding groups l, l + 8, ... in order, summed by sum8,
+ * then the groups past the last multiple of eight in order. The
  * inputs' rounding to 8 bits (at most dx / 2 an input) is the only difference from the float32 product beyond the
  * additions' rounding: about what rounding the inputs to bfloat16 costs. Elsewhere 4-bit goes as 8-bit does, each
  * weight being d * q + m.
@@ -116,6 +118,15 @@ static inline __attribute__((always_inline)) void output_rows(const float *x, co
 }
 
 #if defined(__AVX2__)
+static inline __attribute__((always_inline)) __m256 multiply_add(__m256 a, __m256 b, __m256 c) {
+    /* a * b + c, fused where the processor has FMA */
+#if defined(__FMA__)
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    return _mm256_add_ps(_mm256_mul_ps(a, b), c);
+#endif
+}
+
 static inline __attribute__((always_inline)) void int4_output_rows(const int8_t *xq, const float *xd,
                                                                   const float *sums, const uint8_t *q, const float *d,
                                                                   const float *m, float *y, const int n,
@@ -126,19 +137,26 @@ static inline __attribute__((always_inline)) void int4_output_rows(const int8_t 
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_BLOCK4];
     float low[ROW_BLOCK4];
-    for (int r = 0; r < n; r++) {
-        acc[r] = _mm256_setzero_ps();
-        low[r] = 0.0f;
-    }
+    for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const __m128i b = _mm_loadu_si128((const __m128i *)(q + g * (GROUP / 2)));
-        const __m256i w = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), mask);
+        const __m256i w =
+            _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), mask);
+        const __m256 dv = _mm256_set1_ps(d[g]);
         for (int r = 0; r < n; r++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (r * groups + g) * GROUP));
             const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, _mm256_set1_ps(d[g] * xd[r * groups + g])));
-            low[r] += m[g] * sums[r * groups + g];
+            acc[r] = multiply_add(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(xd + r * groups + g)), acc[r]);
         }
+    }
+    for (int r = 0; r < n; r++) {
+        /* the minimums' part: lane l adds m * sums of groups l, l + 8, ... in order; then the groups left over */
+        __m256 part = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + LANES <= groups; g += LANES)
+            part = multiply_add(_mm256_loadu_ps(m + g), _mm256_loadu_ps(sums + r * groups + g), part);
+        low[r] = sum8((v8)part);
+        for (; g < groups; g++) low[r] += m[g] * sums[r * groups + g];
     }
     for (int r = 0; r < n; r++) y[r * out] = sum8((v8)acc[r]) + low[r];
 }
