@@ -1,7 +1,7 @@
 """The decode attention kernel (``engines/local/attention.c``) of this checkout against the one of another git
 revision: the same shapes, their bits compared, their times interleaved.
 
-Both sources are built with the flags the engine uses (``attention.FLAGS``) into a temporary folder. Per shape
+Both sources are built with the flags the engine uses (``native.FLAGS``) into a temporary folder. Per shape
 (rows, each row's columns, SmolLM2-135M's 9 query and 3 key-value heads of 64, a bfloat16 cache, 30 layers), the two
 kernels run one decode step's attention (30 calls) in turn, the order reversed every other repetition (ABBA); the
 median milliseconds per step of each and their ratio are printed with the load average. Every output of the two is
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from miserver.engines.local import attention  # noqa: E402
+from miserver.engines.local import attention, native  # noqa: E402
 
 SOURCE = "src/miserver/engines/local/attention.c"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
@@ -42,7 +42,7 @@ SHAPES = [(1, 60), (16, 60), (16, 250), (48, 150)]
 
 
 def build(source: Path, target: Path) -> attention.DecodeAttention:
-    subprocess.run(["cc", *attention.FLAGS, "-o", str(target), str(source)], check=True, capture_output=True)
+    subprocess.run(["cc", *native.FLAGS, "-o", str(target), str(source)], check=True, capture_output=True)
     return attention.DecodeAttention(ctypes.CDLL(str(target)))
 
 
