@@ -28,7 +28,7 @@ from tests.support.server import ServerProcess, real_model_server, wait_for
 pytestmark = pytest.mark.slow
 
 MODEL = EMBEDDED_MODEL_ID
-PER_LABEL = 50
+PER_LABEL = 25
 MAX_TOKENS = 4
 
 
@@ -80,7 +80,7 @@ def test_ag_news_topics_through_the_batch_api(real_server: ServerProcess) -> Non
         lambda: (
             (b := client.batches.retrieve(batch.id)).status in ("completed", "failed", "expired", "cancelled") and b
         ),
-        timeout=1800,  # about 2 minutes on an idle 2-core machine; far longer when the cores are shared
+        timeout=1800,  # about a minute on an idle 2-core machine; far longer when the cores are shared
         interval=0.5,
     )
     wall = time.monotonic() - started

@@ -154,7 +154,7 @@ def test_logit_bias_and_penalties_change_the_answer(server: ServerProcess) -> No
 @pytest.mark.parametrize("pack", [True, False])
 def test_an_extraction_batch_validates_every_row(server: ServerProcess, pack: bool) -> None:
     client = server.client(timeout=60.0)
-    rows = 100
+    rows = 50
     lines = [line(f"p-{i:03d}", body(i)) for i in range(rows)]
     lines.append(line("bad", {**body(0), "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}))
     batch = submit(client, jsonl(lines), extra_body={"pack": pack})

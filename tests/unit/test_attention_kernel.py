@@ -27,8 +27,14 @@ PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sa
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> attention.DecodeAttention:
-    built = attention.load(tmp_path_factory.mktemp("kernels"))
+def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The build folder of the module's slot forwards: one build (seconds) for all of them."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_dir: Path) -> attention.DecodeAttention:
+    built = attention.load(kernel_dir)
     assert built is not None, "the test machine has a C compiler (gcc)"
     return built
 
@@ -143,7 +149,7 @@ def test_a_failing_build_says_why_and_attends_with_torch(
     assert "was not built" in caplog.text and "error" in caplog.text
 
 
-def test_the_default_decode_step_uses_the_kernel_over_a_bfloat16_cache(loaded: LoadedModel, tmp_path: Path) -> None:
+def test_the_default_decode_step_uses_the_kernel_over_a_bfloat16_cache(loaded: LoadedModel) -> None:
     cache = make_slots(loaded.model, 512)
     assert isinstance(cache, SlotModel)
     assert (cache.attention, cache.kv_dtype) == ("kernel", torch.bfloat16)
@@ -164,13 +170,13 @@ def slots(loaded: LoadedModel, attention_kind: AttentionKind, kv_cache: KVCacheK
 
 @pytest.mark.parametrize("kv_cache", ["model", "bfloat16"])
 def test_the_slot_forward_over_the_kernel_decodes_as_over_torch_attention(
-    loaded: LoadedModel, tmp_path: Path, kv_cache: KVCacheKind
+    loaded: LoadedModel, kernel_dir: Path, kv_cache: KVCacheKind
 ) -> None:
     with torch.inference_mode():
         for text in PROMPTS:
             ids = ids_of(loaded, text)
-            want, torch_logits = greedy(slots(loaded, "sdpa", "model", tmp_path), 0, ids, 16)
-            got, logits = greedy(slots(loaded, "kernel", kv_cache, tmp_path), 0, ids, 16)
+            want, torch_logits = greedy(slots(loaded, "sdpa", "model", kernel_dir), 0, ids, 16)
+            got, logits = greedy(slots(loaded, "kernel", kv_cache, kernel_dir), 0, ids, 16)
             assert torch.equal(logits[0], torch_logits[0])  # the prefill attends before the cache
             if kv_cache == "model":
                 assert got == want, text
@@ -181,25 +187,25 @@ def test_the_slot_forward_over_the_kernel_decodes_as_over_torch_attention(
 
 @pytest.mark.parametrize("kv_cache", ["model", "bfloat16"])
 def test_a_slot_decoded_beside_others_gets_its_bits_alone(
-    loaded: LoadedModel, tmp_path: Path, kv_cache: KVCacheKind
+    loaded: LoadedModel, kernel_dir: Path, kv_cache: KVCacheKind
 ) -> None:
     with torch.inference_mode():
         prompts = [ids_of(loaded, t) for t in PROMPTS]
-        busy = slots(loaded, "kernel", kv_cache, tmp_path)
+        busy = slots(loaded, "kernel", kv_cache, kernel_dir)
         order = [4, 0, 2]
         firsts = [int(torch.argmax(busy.prefill(s, p))) for s, p in zip(order, prompts, strict=True)]
         together = busy.decode(order, firsts)
         for row, (p, first) in enumerate(zip(prompts, firsts, strict=True)):
-            alone = slots(loaded, "kernel", kv_cache, tmp_path)
+            alone = slots(loaded, "kernel", kv_cache, kernel_dir)
             alone.prefill(0, p)
             assert torch.equal(alone.decode([0], [first])[0], together[row])
 
 
-def test_a_slot_never_attends_past_its_own_length(loaded: LoadedModel, tmp_path: Path) -> None:
+def test_a_slot_never_attends_past_its_own_length(loaded: LoadedModel, kernel_dir: Path) -> None:
     """Columns past a slot's length hold what an earlier, longer sequence left there; a step beside a longer slot
     must not read them."""
     with torch.inference_mode():
-        cache = slots(loaded, "kernel", "model", tmp_path)
+        cache = slots(loaded, "kernel", "model", kernel_dir)
         short, long = ids_of(loaded, PROMPTS[2]), ids_of(loaded, PROMPTS[1])
         first = int(torch.argmax(cache.prefill(0, short)))
         other = int(torch.argmax(cache.prefill(1, long)))
@@ -212,12 +218,12 @@ def test_a_slot_never_attends_past_its_own_length(loaded: LoadedModel, tmp_path:
 
 
 @pytest.mark.parametrize("weights", ["packed", "bfloat16"])
-def test_independent_rows_says_what_a_step_does(loaded: LoadedModel, tmp_path: Path, weights: WeightLayout) -> None:
+def test_independent_rows_says_what_a_step_does(loaded: LoadedModel, kernel_dir: Path, weights: WeightLayout) -> None:
     """Wherever the check says a step of ``rows`` slots gives each the bits of its step alone, it does."""
     with torch.inference_mode():
         prompts = [ids_of(loaded, PROMPTS[i % 3] + " x" * i) for i in range(6)]
         together = SlotModel(
-            loaded.model, max_positions=512, weights=weights, attention="kernel", kernel_folder=tmp_path
+            loaded.model, max_positions=512, weights=weights, attention="kernel", kernel_folder=kernel_dir
         )
         independent = [rows for rows in range(1, 7) if together.independent_rows(rows)]
         assert independent, "on this machine (oneDNN's prepacked products are row-independent here)"
@@ -226,16 +232,16 @@ def test_independent_rows_says_what_a_step_does(loaded: LoadedModel, tmp_path: P
             step = together.decode(list(range(rows)), firsts)
             for s in range(rows):
                 alone = SlotModel(
-                    loaded.model, max_positions=512, weights=weights, attention="kernel", kernel_folder=tmp_path
+                    loaded.model, max_positions=512, weights=weights, attention="kernel", kernel_folder=kernel_dir
                 )
                 alone.prefill(0, prompts[s])
                 assert torch.equal(alone.decode([0], [firsts[s]])[0], step[s]), (rows, s)
 
 
 def test_independent_rows_catches_a_product_that_depends_on_the_company(
-    loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    loaded: LoadedModel, kernel_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cache = SlotModel(loaded.model, max_positions=512, weights="packed", attention="kernel", kernel_folder=tmp_path)
+    cache = SlotModel(loaded.model, max_positions=512, weights="packed", attention="kernel", kernel_folder=kernel_dir)
     real = slots_module.project
 
     def company_dependent(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -34,8 +34,14 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> quantized_kernel.QuantizedProducts:
-    built = quantized_kernel.load(tmp_path_factory.mktemp("kernels"))
+def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The build folder of the module's kernels: one build for all of them."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_dir: Path) -> quantized_kernel.QuantizedProducts:
+    built = quantized_kernel.load(kernel_dir)
     assert built is not None, "the test machine has a C compiler (gcc)"
     return built
 
@@ -97,13 +103,13 @@ def eight_bit(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def test_small_steps_multiply_the_8_bit_head_in_8_bits_and_larger_ones_in_float32(
-    loaded: LoadedModel, tmp_path: Path
+    loaded: LoadedModel, kernel_dir: Path
 ) -> None:
     model = eight_bit(loaded.model)
     kwargs = {"max_positions": 256, "weights": "packed", "own_prefill": True, "attention": "kernel"}
     with torch.inference_mode():
-        eight = SlotModel(model, quantized_rows=2, kernel_folder=tmp_path, **kwargs)  # type: ignore[arg-type]
-        full = SlotModel(model, quantized_rows=0, kernel_folder=tmp_path, **kwargs)  # type: ignore[arg-type]
+        eight = SlotModel(model, quantized_rows=2, kernel_folder=kernel_dir, **kwargs)  # type: ignore[arg-type]
+        full = SlotModel(model, quantized_rows=0, kernel_folder=kernel_dir, **kwargs)  # type: ignore[arg-type]
         assert eight.quantized_rows == 2
         head = model.get_output_embeddings().weight  # type: ignore[no-untyped-call]
         assert isinstance(eight._copies.matrix(head, "packed", quantized=True), Int8Matrix)
