@@ -31,34 +31,17 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
 from miserver.engines.local import quantized  # noqa: E402
 from miserver.engines.local.llama_ops import project  # noqa: E402
 from miserver.engines.local.slot_weights import Int4Matrix, Int8Matrix, Matrix, int4_groups, int8_groups  # noqa: E402
+from tests.support.gguf_blocks import q4_1, q8_0  # noqa: E402
 
 LAYERS = 30
 #: (out, in) of one layer's products, then the head's
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
-
-
-def q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` quantized as GGUF's Q4_1 and dequantized to float32, as transformers reads such a file."""
-    out, width = weight.shape
-    w = weight.reshape(out, width // 32, 32)
-    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    d = (high - low) / 15
-    q = torch.where(d > 0, ((w - low) / torch.where(d > 0, d, 1.0)).round(), 0.0).clamp(0, 15)
-    return (d.half().float() * q + low.half().float()).reshape(out, width)
-
-
-def q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` quantized as GGUF's Q8_0 and dequantized to float32."""
-    out, width = weight.shape
-    w = weight.reshape(out, width // 32, 32)
-    d = w.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, w / torch.where(d > 0, d, 1.0), 0.0).round()
-    return (d.half().float() * q).reshape(out, width)
 
 
 def step(matrices: list[tuple[Matrix, int]], inputs: dict[int, torch.Tensor]) -> list[torch.Tensor]:

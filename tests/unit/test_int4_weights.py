@@ -22,19 +22,8 @@ from miserver.engines.local import quantized as quantized_kernel
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.slot_weights import Int4Matrix, int4_groups
 from miserver.engines.local.slots import SlotModel
+from tests.support.gguf_blocks import q4_1
 from tests.support.slot_runs import greedy, ids_of
-
-GROUP = quantized_kernel.GROUP
-
-
-def q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (``[out, in]``) quantized as GGUF's Q4_1 and dequantized as transformers does (float32)."""
-    out, width = weight.shape
-    w = weight.reshape(out, width // GROUP, GROUP)
-    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    d = (high - low) / 15
-    q = torch.where(d > 0, ((w - low) / torch.where(d > 0, d, 1.0)).round(), 0.0).clamp(0, 15)
-    return (d.half().float() * q + low.half().float()).reshape(out, width)
 
 
 def quantized(model: PreTrainedModel) -> PreTrainedModel:

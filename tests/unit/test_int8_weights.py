@@ -21,16 +21,8 @@ from miserver.engines.local import quantized as quantized_kernel
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.slot_weights import Int8Matrix, int8_groups
 from miserver.engines.local.slots import SlotModel
+from tests.support.gguf_blocks import q8_0
 from tests.support.slot_runs import greedy, ids_of
-
-
-def q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (``[out, in]``) quantized as GGUF's Q8_0 and dequantized as transformers does (float32)."""
-    out, width = weight.shape
-    w = weight.reshape(out, width // 32, 32)
-    d = w.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, w / torch.where(d > 0, d, 1.0), 0.0).round()
-    return (d.half().float() * q).reshape(out, width)
 
 
 @pytest.fixture(scope="module")
