@@ -11,6 +11,10 @@ bit; a weight write that leaves a matrix not 4-bit sends it back to the float32 
 from __future__ import annotations
 
 import copy
+import ctypes
+import platform
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +22,12 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from miserver.engines.local import native
 from miserver.engines.local import quantized as quantized_kernel
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.slot_weights import Int4Matrix, int4_groups
+from miserver.engines.local.slot_weights import Int4Matrix, int4_groups, int8_groups
 from miserver.engines.local.slots import SlotModel
-from tests.support.gguf_blocks import q4_1
+from tests.support.gguf_blocks import q4_1, q8_0
 from tests.support.slot_runs import greedy, ids_of
 
 
@@ -143,3 +148,27 @@ def test_a_weight_write_that_leaves_a_matrix_not_4_bit_sends_it_to_float32(four_
     with torch.inference_mode():
         cache.prefill(0, torch.tensor([1, 2, 3]))
         assert torch.isfinite(cache.decode([0], [4])).all()
+
+
+def test_without_avx2_the_kernel_forms_the_weights_in_float32(tmp_path: Path) -> None:
+    """The kernel's portable path (no AVX2: each weight ``d * q + m`` or ``d * q`` in float32), built for x86-64's
+    baseline: the float32 product up to the additions' rounding, each row's bits its own."""
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
+        pytest.skip("builds for x86-64's baseline with cc")
+    flags = [f for f in native.FLAGS if f != "-march=native"]
+    target = tmp_path / "portable.so"
+    subprocess.run(["cc", *flags, "-march=x86-64", "-o", str(target), str(quantized_kernel.SOURCE)], check=True)
+    portable = quantized_kernel.QuantizedProducts(ctypes.CDLL(str(target)))
+    torch.manual_seed(3)
+    w = q4_1(torch.randn(24, 96) * 0.05)
+    found = int4_groups(w)
+    assert found is not None
+    x = torch.randn(5, 96)
+    y = portable.int4(x, *found)
+    assert torch.allclose(y, x @ w.t(), atol=1e-5, rtol=1e-5)  # no rounding of the inputs
+    for r in range(5):
+        assert torch.equal(portable.int4(x[r : r + 1], *found)[0], y[r])
+    eight = q8_0(torch.randn(24, 96) * 0.05)
+    found8 = int8_groups(eight)
+    assert found8 is not None
+    assert torch.allclose(portable.int8(x, *found8), x @ eight.t(), atol=1e-5, rtol=1e-5)
