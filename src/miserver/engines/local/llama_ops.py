@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from miserver.engines.local.slot_weights import Int4Matrix, Int8Matrix, Matrix, Projections
+from miserver.engines.local.slot_weights import Int4Matrix, Int8Matrix, Layer, Matrix, Projections
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,31 @@ def project_all(x: torch.Tensor, group: Projections) -> list[torch.Tensor]:
         starts = [sum(group.sizes[:i]) for i in range(len(group.sizes))]
         return [y.narrow(-1, start, size) for start, size in zip(starts, group.sizes, strict=True)]
     return [project(x, m, b) for m, b in zip(group.matrices, group.biases, strict=True)]
+
+
+def attention_inputs(
+    hidden: torch.Tensor,
+    layer: Layer,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries and keys, rotated, and the values of ``hidden`` (``[rows, hidden]``) through ``layer``'s input
+    RMSNorm (``eps``) and query-key-value projections, at the positions of ``cos`` and ``sin`` (``[rows,
+    head_dim]``): ``[rows, heads, head_dim]``, ``[rows, kv_heads, head_dim]`` twice. From one fused product, the
+    queries and keys (neighbours in its output) are rotated as one tensor."""
+    rows, dim = hidden.shape[0], cos.shape[-1]
+    x = rms_norm(hidden, layer.norm_in, eps)
+    if len(layer.qkv.matrices) == 1:
+        y = project(x, layer.qkv.matrices[0], layer.qkv.biases[0])  # [rows, (heads + 2 kv_heads) * dim]
+        qk = rotate(y[:, : (heads + kv_heads) * dim].reshape(rows, heads + kv_heads, dim), cos, sin)
+        return qk[:, :heads], qk[:, heads:], y[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
+    q, k, v = project_all(x, layer.qkv)
+    q = rotate(q.reshape(rows, heads, dim), cos, sin)
+    k = rotate(k.reshape(rows, kv_heads, dim), cos, sin)
+    return q, k, v.reshape(rows, kv_heads, dim)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -37,12 +37,12 @@ from miserver.engines.local import attention as attention_kernel
 from miserver.engines.local import quantized as quantized_kernel
 from miserver.engines.local.generate import prefill
 from miserver.engines.local.llama_ops import (
+    attention_inputs,
     compile_forward,
     project,
     project_all,
     rms_norm,
     rotary_table,
-    rotate,
     rows_computed_alone,
 )
 from miserver.engines.local.slot_weights import (
@@ -286,7 +286,7 @@ class SlotModel:
         layer = self._copies.layers(self.weights, quantized=quantized)[0]
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         cos, sin = self._cos[positions], self._sin[positions]
-        q, k, v = self._attention_inputs(x, layer, cos, sin)
+        q, k, v = attention_inputs(x, layer, cos, sin, self.eps, self.heads, self.kv_heads)
         v = v.to(self.kv_dtype)
         hidden = x + project(q.reshape(b, -1), layer.o, layer.o_bias)
         gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
@@ -363,7 +363,7 @@ class SlotModel:
         columns = pos_t + 1  # [B]: each row's own columns (the kernel's)
         mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
         for i, layer in enumerate(layers):
-            q, k, v = self._attention_inputs(hidden, layer, cos, sin)
+            q, k, v = attention_inputs(hidden, layer, cos, sin, self.eps, self.heads, self.kv_heads)
             self._keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
             self._values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)
             if kernel is not None:
@@ -386,7 +386,7 @@ class SlotModel:
         hidden = self._embed(ids)  # [N, hidden]
         cos, sin = self._cos[positions], self._sin[positions]
         for i, layer in enumerate(self._copies.layers(self.prefill_weights)):
-            q, k, v = self._attention_inputs(hidden, layer, cos, sin)
+            q, k, v = attention_inputs(hidden, layer, cos, sin, self.eps, self.heads, self.kv_heads)
             parts, start = [], 0
             for slot, n in zip(slots, lengths, strict=True):
                 keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
@@ -405,23 +405,6 @@ class SlotModel:
         last = rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         return list(project(last, self._copies.matrix(head.weight, self.prefill_weights), head.bias).float())
-
-    def _attention_inputs(
-        self, hidden: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The queries and keys, rotated, and the values of ``hidden`` (``[rows, hidden]``) at the positions of
-        ``cos`` and ``sin`` (``[rows, head_dim]``): ``[rows, heads, head_dim]``, ``[rows, kv_heads, head_dim]`` twice.
-        From one fused product, the queries and keys (neighbours in its output) are rotated as one tensor."""
-        rows, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
-        x = rms_norm(hidden, layer.norm_in, self.eps)
-        if len(layer.qkv.matrices) == 1:
-            y = project(x, layer.qkv.matrices[0], layer.qkv.biases[0])  # [rows, (heads + 2 kv_heads) * dim]
-            qk = rotate(y[:, : (heads + kv_heads) * dim].reshape(rows, heads + kv_heads, dim), cos, sin)
-            return qk[:, :heads], qk[:, heads:], y[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
-        q, k, v = project_all(x, layer.qkv)
-        q = rotate(q.reshape(rows, heads, dim), cos, sin)
-        k = rotate(k.reshape(rows, kv_heads, dim), cos, sin)
-        return q, k, v.reshape(rows, kv_heads, dim)
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
