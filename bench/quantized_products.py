@@ -6,7 +6,7 @@ gate-up (3072 x 576) and down (576 x 1536) matrices, random weights quantized as
 output head as Q8_0 (the embedded model's own formats). Per row count, the two run one step's products in turn, the
 order reversed every other repetition (ABBA), on torch's threads; the median milliseconds of each and their ratio are
 printed with the load average. The agreement of the two is printed too (the 4-bit product rounds its inputs to 8
-bits a group on AVX2).
+bits a group).
 
     .venv/bin/python bench/quantized_products.py
     .venv/bin/python bench/quantized_products.py --rows 1,4,16 --repeats 8
@@ -65,9 +65,9 @@ def main() -> None:
             w = quantize(torch.randn(out, width) * 0.05)
             four, eight = int4_groups(w), int8_groups(w)
             if four is not None:
-                own.append((Int4Matrix(*four, kernel), width))
+                own.append((Int4Matrix(quantized.int4_tiles(*four), kernel), width))
             elif eight is not None:
-                own.append((Int8Matrix(*eight, kernel), width))
+                own.append((Int8Matrix(quantized.int8_tiles(*eight), kernel), width))
             packed.append((torch.ops.mkldnn._reorder_linear_weight(w), width))
     results = []
     with torch.inference_mode():

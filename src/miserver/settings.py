@@ -87,14 +87,14 @@ class Settings(BaseSettings):
         "view (the model's own weights, no copy)",
     )
     decode_quantized_rows: int = Field(
-        20,
+        64,
         validation_alias=_env("MISERVER_DECODE_QUANTIZED_ROWS"),
         ge=0,
-        description="a slots decode step of at most this many rows multiplies each matrix of a quantized GGUF model "
-        "(Q4_1 or Q8_0, found matrix by matrix) in its own bits: 4-bit ones through torch's int4 kernel, each "
-        "product's input rounded to bfloat16; 8-bit ones through miServer's own C kernel (built as the attention "
-        "kernel is). CPU, float32 model, eager step; larger steps and the prefill use MISERVER_DECODE_WEIGHTS. 0: "
-        "never",
+        description="a slots decode step of at most this many rows, and every slots prefill, multiplies each "
+        "matrix of a quantized GGUF model (Q4_1 or Q8_0, found matrix by matrix) in its own bits, through miServer's "
+        "own C kernel (built as the attention kernel is): each row's inputs are rounded to 8 bits a group and "
+        "multiplied in integers, as llama.cpp does. CPU, float32 model, eager step; larger steps use "
+        "MISERVER_DECODE_WEIGHTS. 0: never (the prefill then multiplies in float32)",
     )
     decode_attention: Literal["kernel", "sdpa"] = Field(
         "kernel",

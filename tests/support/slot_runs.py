@@ -23,3 +23,12 @@ def greedy(cache: SlotModel | HFSlots, slot: int, ids: torch.Tensor, steps: int)
         tokens.append(int(torch.argmax(logits)))
         logits = cache.decode([slot], [tokens[-1]])[0]
     return tokens, torch.stack(seen)
+
+
+def copy_cache(dst: SlotModel, src: SlotModel) -> None:
+    """``dst``'s KV cache and lengths made ``src``'s (both built alike and filled alike), to compare one decode step
+    of the two from the same cache."""
+    for mine, theirs in ((dst._keys, src._keys), (dst._values, src._values)):
+        for a, b in zip(mine, theirs, strict=True):
+            a.copy_(b)
+    dst._lengths = dict(src._lengths)

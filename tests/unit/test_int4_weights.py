@@ -3,9 +3,10 @@
 
 A matrix is taken as 4-bit only when it is exactly what GGUF's Q4_1 dequantizes to (every group of 32 input columns
 ``d * q + m`` in float32, ``q`` 0 to 15, ``d`` and ``m`` float16). Its product rounds each row's inputs to 8 bits a
-group (on AVX2, as llama.cpp does) and stays within that rounding of the float32 one; a row's bits never depend on the
-rest of the product. Decode steps of at most ``quantized_rows`` rows use it, larger steps the float32 layout bit for
-bit; a weight write that leaves a matrix not 4-bit sends it back to the float32 layout at the next step.
+group (as llama.cpp does) and stays within that rounding of the float32 one; a row's bits never depend on the rest of
+the product, nor on the processor's vector instructions. The prefill and decode steps of at most ``quantized_rows``
+rows use it, larger steps the float32 layout bit for bit; a weight write that leaves a matrix not 4-bit sends it back
+to the float32 layout at the next step.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from miserver.engines.local.loader import LoadedModel, load_model, resolve_model
 from miserver.engines.local.slot_weights import Int4Matrix, int4_groups, int8_groups
 from miserver.engines.local.slots import SlotModel
 from tests.support.gguf_blocks import q4_1, q8_0
-from tests.support.slot_runs import greedy, ids_of
+from tests.support.slot_runs import copy_cache, greedy, ids_of
 
 
 def quantized(model: PreTrainedModel) -> PreTrainedModel:
@@ -66,26 +67,31 @@ def test_a_q4_1_matrix_is_found_and_multiplies_within_8_bit_rounding_of_its_inpu
     assert found is not None
     packed, scales, mins = found
     assert packed.dtype == torch.uint8 and packed.shape == (40, 64) and scales.shape == mins.shape == (40, 4)
+    tiles = quantized_kernel.int4_tiles(packed, scales, mins)  # 40 outputs: three tiles, the last padded
+    assert tiles.q.shape == (3, 4, 4, 16, 4) and tiles.scales.shape == (3, 4, 16) and tiles.out == 40
     # the identity's rows read each weight back (one input per group, which 8 bits hold exactly)
-    assert torch.allclose(kernel.int4(torch.eye(128), packed, scales, mins), w.t(), rtol=1e-6, atol=1e-7)
+    assert torch.allclose(kernel.int4(torch.eye(128), tiles), w.t(), rtol=1e-6, atol=1e-7)
     x = torch.randn(rows, 128)
-    y = kernel.int4(x, packed, scales, mins)
+    y = kernel.int4(x, tiles)
     # each input moves by at most half its group's step (largest magnitude / 127 / 2)
     step = x.reshape(rows, 4, 32).abs().amax(-1).repeat_interleave(32, 1) / 254
     bound = step @ w.abs().t() + 1e-5
     assert ((y - x @ w.t()).abs() <= bound).all()
     for r in range(rows):  # a row's bits alone are its bits in company
-        assert torch.equal(kernel.int4(x[r : r + 1], packed, scales, mins)[0], y[r])
+        assert torch.equal(kernel.int4(x[r : r + 1], tiles)[0], y[r])
 
 
 def test_the_kernel_refuses_shapes_it_does_not_cover(kernel: quantized_kernel.QuantizedProducts) -> None:
     packed, scales = torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2)
+    tiles = quantized_kernel.int4_tiles(packed, scales, scales)
     with pytest.raises(ValueError, match="quantized product"):
-        kernel.int4(torch.zeros(1, 40), packed, scales, scales)  # 40 inputs against 64
+        kernel.int4(torch.zeros(1, 40), tiles)  # 40 inputs against 64
+    with pytest.raises(ValueError, match="quantized product"):
+        kernel.int4(torch.zeros(1, 64, dtype=torch.float64), tiles)
     with pytest.raises(ValueError, match="minimums"):
-        kernel.int4(torch.zeros(1, 64), packed, scales, torch.zeros(4, 3))
-    with pytest.raises(ValueError, match="quantized product"):
-        kernel.int4(torch.zeros(1, 64, dtype=torch.float64), packed, scales, scales)
+        quantized_kernel.int4_tiles(packed, scales, torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="4-bit matrix"):
+        quantized_kernel.int4_tiles(torch.zeros(4, 20, dtype=torch.uint8), torch.zeros(4, 1), torch.zeros(4, 1))
 
 
 def test_only_an_exact_4_bit_matrix_is_taken() -> None:
@@ -112,7 +118,7 @@ def four_bit(loaded: LoadedModel) -> PreTrainedModel:
     return quantized(loaded.model)
 
 
-def test_small_steps_multiply_in_4_bits_and_larger_ones_in_float32(
+def test_the_prefill_and_small_steps_multiply_in_4_bits_and_larger_steps_in_float32(
     loaded: LoadedModel, four_bit: PreTrainedModel
 ) -> None:
     kwargs = {"max_positions": 256, "weights": "packed", "own_prefill": True, "attention": "kernel"}
@@ -124,13 +130,14 @@ def test_small_steps_multiply_in_4_bits_and_larger_ones_in_float32(
         ids = ids_of(loaded, "tell me about the sea and the ships on it")
         got, logits = greedy(four, 0, ids, 12)
         want, ref = greedy(full, 0, ids, 12)
-        assert torch.equal(logits[0], ref[0])  # the prefill (the first token) is float32's in both
-        assert not torch.equal(logits[1:], ref[1:])  # the decode steps were not float32's
+        assert not torch.equal(logits[0], ref[0])  # the prefill (the first token) multiplied in 4 bits
+        assert not torch.equal(logits[1:], ref[1:])  # and so were the decode steps
         assert torch.allclose(logits, ref, atol=0.05, rtol=0)  # within 8-bit rounding of the inputs
-        # a 3-row step (over quantized_rows) is the float32 step, bit for bit
+        # from the same cache, a 3-row step (over quantized_rows) is the float32 step, bit for bit
         for s in (1, 2, 3):
             four.prefill(s, ids)
             full.prefill(s, ids)
+        copy_cache(four, full)
         assert torch.equal(four.decode([1, 2, 3], [5, 6, 7]), full.decode([1, 2, 3], [5, 6, 7]))
         # a row's bits alone (1 row, 4-bit) differ from a 3-row step's (float32): batch-invariant rows decode alone
         assert four.independent_rows(2) and not four.independent_rows(3)
@@ -150,25 +157,30 @@ def test_a_weight_write_that_leaves_a_matrix_not_4_bit_sends_it_to_float32(four_
         assert torch.isfinite(cache.decode([0], [4])).all()
 
 
-def test_without_avx2_the_kernel_forms_the_weights_in_float32(tmp_path: Path) -> None:
-    """The kernel's portable path (no AVX2: each weight ``d * q + m`` or ``d * q`` in float32), built for x86-64's
-    baseline: the float32 product up to the additions' rounding, each row's bits its own."""
+@pytest.mark.parametrize("march", ["x86-64", "haswell"])
+def test_every_instruction_set_gives_the_quantized_products_the_same_bits(
+    kernel: quantized_kernel.QuantizedProducts, tmp_path: Path, march: str
+) -> None:
+    """The kernel built for x86-64's baseline (one output at a time, ``fmaf``) and for AVX2 (8 outputs at a time)
+    gives the bits of the kernel built for this processor (AVX-512 VNNI's 16 at a time where it has it), 4-bit and
+    8-bit."""
     if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
-        pytest.skip("builds for x86-64's baseline with cc")
+        pytest.skip("builds for x86-64 with cc")
+    if march == "haswell" and not {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split()):
+        pytest.skip("this processor has no AVX2 and FMA")
     flags = [f for f in native.FLAGS if f != "-march=native"]
-    target = tmp_path / "portable.so"
-    subprocess.run(["cc", *flags, "-march=x86-64", "-o", str(target), str(quantized_kernel.SOURCE)], check=True)
-    portable = quantized_kernel.QuantizedProducts(ctypes.CDLL(str(target)))
+    target = tmp_path / f"{march}.so"
+    subprocess.run(["cc", *flags, f"-march={march}", "-o", str(target), str(quantized_kernel.SOURCE)], check=True)
+    other = quantized_kernel.QuantizedProducts(ctypes.CDLL(str(target)))
     torch.manual_seed(3)
-    w = q4_1(torch.randn(24, 96) * 0.05)
+    w = q4_1(torch.randn(40, 96) * 0.05)
     found = int4_groups(w)
     assert found is not None
+    tiles = quantized_kernel.int4_tiles(*found)
     x = torch.randn(5, 96)
-    y = portable.int4(x, *found)
-    assert torch.allclose(y, x @ w.t(), atol=1e-5, rtol=1e-5)  # no rounding of the inputs
-    for r in range(5):
-        assert torch.equal(portable.int4(x[r : r + 1], *found)[0], y[r])
+    assert torch.equal(other.int4(x, tiles), kernel.int4(x, tiles))
     eight = q8_0(torch.randn(24, 96) * 0.05)
     found8 = int8_groups(eight)
     assert found8 is not None
-    assert torch.allclose(portable.int8(x, *found8), x @ eight.t(), atol=1e-5, rtol=1e-5)
+    tiles8 = quantized_kernel.int8_tiles(*found8)
+    assert torch.equal(other.int8(x, tiles8), kernel.int8(x, tiles8))

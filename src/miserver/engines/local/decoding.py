@@ -38,14 +38,14 @@ class DecodeOptions:
     attention: AttentionKind = "kernel"
     kv_cache: KVCacheKind = "bfloat16"
     kernel_cache: Path | None = None
-    quantized_rows: int = 20
+    quantized_rows: int = 64
 
 
 #: The default: the slot forward (prefill and decode), eager, with weights prepacked for oneDNN on the CPU, in
 #: bfloat16 where the CPU multiplies bfloat16 natively; the decode step attends with the native kernel over a
-#: bfloat16 KV cache where the kernel builds; a quantized model's matrices stay in their own bits in steps of up to
-#: 20 rows (on an AVX2 CPU the embedded model's steps of 1 to 16 rows took 0.4x to 0.76x the float32 ones, 20 rows
-#: 0.87x, 24 and 32 rows 1.03x to 1.06x).
+#: bfloat16 KV cache where the kernel builds; a quantized model's matrices stay in their own bits in the prefill and
+#: in steps of up to 64 rows (on an AVX-512 CPU the embedded model's steps of 1 to 64 rows took 0.43x to 0.85x the
+#: bfloat16 ones; the scheduler's steps have at most MISERVER_MAX_SEQUENCES rows, 24 by default).
 DEFAULT_DECODE = DecodeOptions()
 
 

@@ -32,9 +32,9 @@ def project(x: torch.Tensor, matrix: Matrix, bias: torch.Tensor | None) -> torch
     product kernel (``quantized.py``)."""
     if isinstance(matrix, Int4Matrix | Int8Matrix):
         if isinstance(matrix, Int4Matrix):
-            own = matrix.product.int4(x, matrix.packed, matrix.scales, matrix.mins)
+            own = matrix.product.int4(x, matrix.tiles)
         else:
-            own = matrix.product.int8(x, matrix.q, matrix.scales)
+            own = matrix.product.int8(x, matrix.tiles)
         return own if bias is None else own + bias
     if matrix.is_mkldnn:
         if matrix.dtype == x.dtype:

@@ -1,42 +1,39 @@
 /*
- * Products of float32 rows with a matrix held in the bits of a GGUF quantized tensor: groups of 32 inputs of one
- * output share a scale d (and, 4-bit, a minimum m).
+ * Products of float32 rows with a matrix held in the bits of a GGUF quantized tensor, as llama.cpp multiplies them:
+ * groups of 32 inputs of one output share a scale d (and, 4-bit, a minimum m).
  *
- *   8-bit (GGUF's Q8_0): weight = d * q, q an int8.
- *   4-bit (GGUF's Q4_1): weight = d * q + m, q from 0 to 15, two to a byte: byte j of a group's 16 holds q[j] in
- *                        its low four bits and q[j + 16] in its high four.
+ *   4-bit (GGUF's Q4_1): weight = d * q + m, q from 0 to 15.
+ *   8-bit (GGUF's Q8_0): weight = d * q, q an int8 from -127 to 127.
  *
- * Shapes (C order):
- *   x       [rows, in]          float32, the inputs
- *   q       [out, in]           int8 (8-bit), or [out, in / 2] uint8 (4-bit)
- *   d, m    [out, in / 32]      float32, each group's scale and minimum
- *   y       [rows, out]         float32, y[r, o] = sum over i of x[r, i] * weight[o, i]
+ * Shapes (C order): x [rows, in] float32, the inputs; y [rows, out] float32, y[r, o] = the sum over i of x[r, i] *
+ * weight[o, i]. The outputs come in tiles of 16 (the last one padded with zero weights), and a tile's weights are
+ * laid out group by group for products of 16 outputs at once:
  *
- * 8-bit, per row and output: four 8-lane sums, sum k over inputs 8k .. 8k + 7 of each group, each lane adding
- * x * (d * q) group by group; then (sum 0 + sum 1) + (sum 2 + sum 3) lane by lane and the lanes by sum8: the float32
- * product up to the rounding of its additions.
+ *   4-bit q [tiles, groups, 4, 16, 4]   uint8: byte [t, g, b, o, i] holds, of output 16 t + o and group g, q of
+ *                                       input 4 b + i in its low four bits and q of input 16 + 4 b + i in its high four
+ *   8-bit q [tiles, groups, 8, 16, 4]   int8: [t, g, k, o, i] is q of output 16 t + o at input 4 k + i of group g
+ *   d, m    [tiles, groups, 16]         float32, the scale and minimum of output 16 t + o in group g
+ *   c       [tiles, groups, 16]         int32 (8-bit), 128 times the sum of the group's q
  *
- * 4-bit, where the compiler targets AVX2: as llama.cpp multiplies a Q4_1 matrix, each row's inputs are first
- * quantized per group of 32 to int8 (scale dx = the group's largest magnitude / 127, x8 = x / dx rounded to
- * nearest, ties to even), and each group's products are integer: s = sum of q * x8 (exact, in int32, eight partial
- * sums of four products). Per row and output, one 8-lane float sum adds s * (d * dx) group by group (fused
- * multiply-adds where the processor has FMA); the result is its sum8 plus the minimums' part, the sum over groups
- * of m * (dx * the sum of the group's x8): eight lanes, lane l adding groups l, l + 8, ... in order, summed by sum8,
- * then the groups past the last multiple of eight in order. The
- * inputs' rounding to 8 bits (at most dx / 2 an input) is the only difference from the float32 product beyond the
- * additions' rounding: about what rounding the inputs to bfloat16 costs. Elsewhere 4-bit goes as 8-bit does, each
- * weight being d * q + m.
+ * Each row's inputs are first quantized per group of 32 to int8: scale dx = the group's largest magnitude / 127,
+ * x8 = x / dx rounded to nearest (ties to even), sx = dx * the sum of the group's x8. A group's product with one
+ * output is then an integer, S = the sum of its 32 q * x8 (exact in int32), and per row and output
  *
- * A row's result never depends on the other rows of the product (every row goes through the same operations, a
- * few rows at a time), nor on how outputs are spread over threads.
+ *   4-bit: y = a + b,  a = fma(S, d * dx, a) and b = fma(m, sx, b) over the groups in order, from 0;
+ *   8-bit: y = a,      a = fma(S, d * dx, a) over the groups in order, from 0,
  *
- * Vectors are GCC's vector extensions (8 floats, the width of AVX2, which the compiler lowers well), with the
- * widening of bytes to floats spelt out for x86 (GCC lowers a conversion of byte vectors lane by lane). ``in`` must
- * be a multiple of 32.
+ * where fma rounds once. Every path computes exactly this: with AVX-512 VNNI 16 outputs at a time (vpdpbusd; 8-bit,
+ * as the sum of (x8 + 128) * q less c), with AVX2 and FMA 8 at a time (vpmaddubsw, vpmaddwd), elsewhere one at a
+ * time (fmaf). So a row's result has the same bits on every processor and never depends on the other rows of the
+ * product, nor on how tiles are spread over threads. The inputs' rounding to 8 bits (at most dx / 2 an input) is the
+ * only difference from the float32 product beyond the additions' rounding: about what rounding the inputs to
+ * bfloat16 costs. ``in`` must be a multiple of 32.
  */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -44,222 +41,260 @@
 
 #define GROUP 32
 #define LANES 8
-#define ROW_BLOCK 2
-#define ROW_BLOCK4 4 /* rows at a time of the AVX2 4-bit product */
+#define TILE 16      /* outputs of a 4-bit tile */
+#define ROW_BLOCK4 4 /* rows at a time */
 
-typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int8_t b8 __attribute__((vector_size(8), aligned(1), may_alias));
-typedef int32_t i8 __attribute__((vector_size(32)));
-
-static inline __attribute__((always_inline)) v8 widen(const int8_t *at) {
-    /* 8 int8 as floats */
-#if defined(__AVX2__)
-    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
-#else
-    return __builtin_convertvector(__builtin_convertvector(*(const b8 *)at, i8), v8);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MADD 1
 #endif
-}
 
-static inline __attribute__((always_inline)) void nibbles(const uint8_t *at, v8 w[4]) {
-    /* a 4-bit group's 32 q (16 bytes) as floats: w[0], w[1] the low halves of bytes 0-7, 8-15; w[2], w[3] the high */
-#if defined(__AVX2__)
-    const __m128i b = _mm_loadu_si128((const __m128i *)at);
-    const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    w[0] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    w[1] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    w[2] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    w[3] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-#else
-    for (int l = 0; l < LANES; l++) {
-        w[0][l] = (float)(at[l] & 15);
-        w[1][l] = (float)(at[l + 8] & 15);
-        w[2][l] = (float)(at[l] >> 4);
-        w[3][l] = (float)(at[l + 8] >> 4);
-    }
-#endif
-}
-
-static inline float sum8(v8 x) {
-    /* fixed order: halves added pairwise, three times */
-    v8 a = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
-    a = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
-    a = a + __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0);
-    return a[0];
-}
-
-static inline __attribute__((always_inline)) void output_rows(const float *x, const void *q, const float *d,
-                                                             const float *m, const float *sums, float *y,
-                                                             const int n, const int64_t in, const int64_t out,
-                                                             const int four) {
-    /* y[r * out] for rows r = 0 .. n - 1 of x (n at most ROW_BLOCK; n and four constants where inlined) over one
-       output's q, d and m [in / GROUP]; sums [n, in / GROUP] are the rows' group sums (4-bit) */
-    const int64_t groups = in / GROUP;
-    v8 acc[ROW_BLOCK][4];
-    float low[ROW_BLOCK];
-    for (int r = 0; r < n; r++) {
-        low[r] = 0.0f;
-        for (int k = 0; k < 4; k++) acc[r][k] = (v8){0};
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        const float scale = d[g];
-        v8 w[4];
-        if (four)
-            nibbles((const uint8_t *)q + g * (GROUP / 2), w);
-        else
-            for (int k = 0; k < 4; k++) w[k] = widen((const int8_t *)q + g * GROUP + k * LANES);
-        for (int k = 0; k < 4; k++) w[k] = w[k] * scale;
-        for (int r = 0; r < n; r++) {
-            for (int k = 0; k < 4; k++) acc[r][k] += *(const v8 *)(x + r * in + g * GROUP + k * LANES) * w[k];
-            if (four) low[r] += m[g] * sums[r * groups + g];
-        }
-    }
-    for (int r = 0; r < n; r++) y[r * out] = sum8((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])) + low[r];
-}
-
-#if defined(__AVX2__)
-static inline __attribute__((always_inline)) __m256 multiply_add(__m256 a, __m256 b, __m256 c) {
-    /* a * b + c, fused where the processor has FMA */
-#if defined(__FMA__)
-    return _mm256_fmadd_ps(a, b, c);
-#else
-    return _mm256_add_ps(_mm256_mul_ps(a, b), c);
-#endif
-}
-
-static inline __attribute__((always_inline)) void int4_output_rows(const int8_t *xq, const float *xd,
-                                                                  const float *sums, const uint8_t *q, const float *d,
-                                                                  const float *m, float *y, const int n,
-                                                                  const int64_t groups, const int64_t out) {
-    /* y[r * out] for rows r = 0 .. n - 1 (n at most ROW_BLOCK4, a constant where inlined) of the quantized inputs
-       xq [n, groups * GROUP] with scales xd and sums (dx * the sum of x8) [n, groups], over one output's packed q,
-       d and m */
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[ROW_BLOCK4];
-    float low[ROW_BLOCK4];
-    for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(q + g * (GROUP / 2)));
-        const __m256i w =
-            _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), mask);
-        const __m256 dv = _mm256_set1_ps(d[g]);
-        for (int r = 0; r < n; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (r * groups + g) * GROUP));
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
-            acc[r] = multiply_add(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(xd + r * groups + g)), acc[r]);
-        }
-    }
-    for (int r = 0; r < n; r++) {
-        /* the minimums' part: lane l adds m * sums of groups l, l + 8, ... in order; then the groups left over */
-        __m256 part = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + LANES <= groups; g += LANES)
-            part = multiply_add(_mm256_loadu_ps(m + g), _mm256_loadu_ps(sums + r * groups + g), part);
-        low[r] = sum8((v8)part);
-        for (; g < groups; g++) low[r] += m[g] * sums[r * groups + g];
-    }
-    for (int r = 0; r < n; r++) y[r * out] = sum8((v8)acc[r]) + low[r];
-}
-
-static int int4_integer(const float *x, const uint8_t *q, const float *d, const float *m, float *y, int64_t rows,
-                        int64_t in, int64_t out, int threads) {
-    /* the AVX2 4-bit product (see the top); as product() */
-    const int64_t groups = in / GROUP;
-    int8_t *xq = malloc((size_t)(rows * in));
-    float *xd = malloc((size_t)(rows * groups) * sizeof(float)), *sums = malloc((size_t)(rows * groups) * sizeof(float));
-    if (xq == NULL || xd == NULL || sums == NULL) {
-        free(xq), free(xd), free(sums);
-        return 1;
-    }
-    for (int64_t r = 0; r < rows * groups; r++) {
-        const float *xg = x + r * GROUP;
+static void quantize_inputs(const float *x, int8_t *xq, float *xd, float *sx, const int64_t count) {
+    /* x's groups (count of them, GROUP floats each) to int8: xq, the scales xd and sx = dx * the sum of x8 */
+    for (int64_t c = 0; c < count; c++) {
+        const float *xg = x + c * GROUP;
         float top = 0.0f;
         for (int i = 0; i < GROUP; i++) {
-            const float a = xg[i] < 0 ? -xg[i] : xg[i];
+            const float a = fabsf(xg[i]);
             top = a > top ? a : top;
         }
         const float scale = top / 127.0f;
         int32_t total = 0;
         for (int i = 0; i < GROUP; i++) {
-            const int8_t v = (int8_t)(scale > 0 ? __builtin_rintf(xg[i] / scale) : 0.0f);
-            xq[r * GROUP + i] = v;
+            const int8_t v = (int8_t)(scale > 0 ? rintf(xg[i] / scale) : 0.0f);
+            xq[c * GROUP + i] = v;
             total += v;
         }
-        xd[r] = scale;
-        sums[r] = scale * (float)total;
+        xd[c] = scale;
+        sx[c] = scale * (float)total;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o++) {
-        const uint8_t *qo = q + o * (in / 2);
-        const float *dout = d + o * groups, *mout = m + o * groups;
-        int64_t r = 0;
-        for (; r + ROW_BLOCK4 <= rows; r += ROW_BLOCK4)
-            int4_output_rows(xq + r * in, xd + r * groups, sums + r * groups, qo, dout, mout, y + r * out + o,
-                             ROW_BLOCK4, groups, out);
-        switch (rows - r) {
-        case 1: int4_output_rows(xq + r * in, xd + r * groups, sums + r * groups, qo, dout, mout, y + r * out + o, 1, groups, out); break;
-        case 2: int4_output_rows(xq + r * in, xd + r * groups, sums + r * groups, qo, dout, mout, y + r * out + o, 2, groups, out); break;
-        case 3: int4_output_rows(xq + r * in, xd + r * groups, sums + r * groups, qo, dout, mout, y + r * out + o, 3, groups, out); break;
-        default: break;
+}
+
+static inline int32_t chunk(const int8_t *at) {
+    /* 4 int8 as one int32 (for broadcasting) */
+    int32_t v;
+    memcpy(&v, at, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, const float *xd, const float *sx,
+                                                           const uint8_t *q, const float *d, const float *m,
+                                                           float *y, const int n, const int64_t groups,
+                                                           const int64_t out, const int64_t first) {
+    /* y[r * out + first + o] for rows r = 0 .. n - 1 (n at most ROW_BLOCK4, a constant where inlined) of the
+       quantized inputs xq [n, groups * GROUP] with xd and sx [n, groups], and the outputs o of one tile (its q, d,
+       m as laid out at the top) below out - first */
+    const int64_t in = groups * GROUP;
+#if defined(VNNI)
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m512 a[ROW_BLOCK4], b[ROW_BLOCK4];
+    for (int r = 0; r < n; r++) a[r] = b[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i w[8];
+        for (int k = 0; k < 4; k++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(q + (g * 4 + k) * 64));
+            w[k] = _mm512_and_si512(raw, mask);
+            w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        }
+        const __m512 dv = _mm512_loadu_ps(d + g * TILE), mv = _mm512_loadu_ps(m + g * TILE);
+        for (int r = 0; r < n; r++) {
+            const int8_t *xg = xq + r * in + g * GROUP;
+            __m512i s = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) s = _mm512_dpbusd_epi32(s, w[k], _mm512_set1_epi32(chunk(xg + 4 * k)));
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * groups + g]));
+            a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, a[r]);
+            b[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r * groups + g]), b[r]);
         }
     }
-    free(xq), free(xd), free(sums);
-    return 0;
-}
-#endif
-
-static int product(const float *x, const void *q, const float *d, const float *m, float *y, int64_t rows,
-                   int64_t in, int64_t out, int threads, const int four) {
-    /* 0 on success; 1 when scratch memory could not be had; 2 when in is not a multiple of GROUP (y untouched) */
-    if (in % GROUP) return 2;
-    const int64_t groups = in / GROUP;
-    const int64_t row_bytes = four ? in / 2 : in;
-    float *sums = NULL;
-    if (four) {
-        sums = malloc((size_t)(rows * groups) * sizeof(float));
-        if (sums == NULL) return 1;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t g = 0; g < groups; g++) {
-                float s = 0.0f;
-                for (int64_t i = 0; i < GROUP; i++) s += x[r * in + g * GROUP + i];
-                sums[r * groups + g] = s;
+    const int64_t left = out - first;
+    const __mmask16 keep = left >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + first, keep, _mm512_add_ps(a[r], b[r]));
+#elif defined(MADD)
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) { /* outputs 8 h .. 8 h + 7 of the tile: bytes 32 h .. 32 h + 31 of each 64 */
+        __m256 a[ROW_BLOCK4], b[ROW_BLOCK4];
+        for (int r = 0; r < n; r++) a[r] = b[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256i w[8];
+            for (int k = 0; k < 4; k++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + (g * 4 + k) * 64 + h * 32));
+                w[k] = _mm256_and_si256(raw, mask);
+                w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             }
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o++) {
-        const char *qo = (const char *)q + o * row_bytes;
-        const float *dout = d + o * groups, *mout = four ? m + o * groups : NULL;
-        int64_t r = 0;
-        for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK) {
-            const float *s = four ? sums + r * groups : NULL;
-            if (four)
-                output_rows(x + r * in, qo, dout, mout, s, y + r * out + o, ROW_BLOCK, in, out, 1);
-            else
-                output_rows(x + r * in, qo, dout, mout, s, y + r * out + o, ROW_BLOCK, in, out, 0);
+            const __m256 dv = _mm256_loadu_ps(d + g * TILE + h * 8), mv = _mm256_loadu_ps(m + g * TILE + h * 8);
+            for (int r = 0; r < n; r++) {
+                const int8_t *xg = xq + r * in + g * GROUP;
+                /* pairs of products summed in int16: at most 8 * 2 * 15 * 127 = 30480 a lane, no saturation */
+                __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(chunk(xg)));
+                for (int k = 1; k < 8; k++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(chunk(xg + 4 * k))));
+                const __m256i s = _mm256_madd_epi16(s16, ones);
+                const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * groups + g]));
+                a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, a[r]);
+                b[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[r * groups + g]), b[r]);
+            }
         }
-        if (r < rows) {
-            const float *s = four ? sums + r * groups : NULL;
-            if (four)
-                output_rows(x + r * in, qo, dout, mout, s, y + r * out + o, 1, in, out, 1);
-            else
-                output_rows(x + r * in, qo, dout, mout, s, y + r * out + o, 1, in, out, 0);
+        for (int r = 0; r < n; r++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, _mm256_add_ps(a[r], b[r]));
+            for (int o = 0; o < 8 && first + h * 8 + o < out; o++) y[r * out + first + h * 8 + o] = lanes[o];
         }
     }
-    free(sums);
-    return 0;
-}
-
-int miserver_int8_product(const float *x, const int8_t *q, const float *d, float *y, int64_t rows, int64_t in,
-                          int64_t out, int threads) {
-    return product(x, q, d, NULL, y, rows, in, out, threads, 0);
+#else
+    for (int r = 0; r < n; r++)
+        for (int o = 0; o < TILE && first + o < out; o++) {
+            float a = 0.0f, b = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int8_t *xg = xq + r * in + g * GROUP;
+                int32_t s = 0;
+                for (int k = 0; k < 4; k++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = q[((g * 4 + k) * TILE + o) * 4 + i];
+                        s += (byte & 15) * xg[4 * k + i] + (byte >> 4) * xg[16 + 4 * k + i];
+                    }
+                a = fmaf((float)s, d[g * TILE + o] * xd[r * groups + g], a);
+                b = fmaf(m[g * TILE + o], sx[r * groups + g], b);
+            }
+            y[r * out + first + o] = a + b;
+        }
+#endif
 }
 
 int miserver_int4_product(const float *x, const uint8_t *q, const float *d, const float *m, float *y, int64_t rows,
                           int64_t in, int64_t out, int threads) {
-#if defined(__AVX2__)
+    /* 0 on success; 1 when scratch memory could not be had; 2 when in is not a multiple of GROUP (y untouched) */
     if (in % GROUP) return 2;
-    return int4_integer(x, q, d, m, y, rows, in, out, threads);
+    const int64_t groups = in / GROUP, tiles = (out + TILE - 1) / TILE;
+    int8_t *xq = malloc((size_t)(rows * in));
+    float *xd = malloc((size_t)(rows * groups) * sizeof(float)), *sx = malloc((size_t)(rows * groups) * sizeof(float));
+    if (xq == NULL || xd == NULL || sx == NULL) {
+        free(xq), free(xd), free(sx);
+        return 1;
+    }
+    quantize_inputs(x, xq, xd, sx, rows * groups);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *qt = q + t * groups * (TILE * GROUP / 2);
+        const float *dt = d + t * groups * TILE, *mt = m + t * groups * TILE;
+        int64_t r = 0;
+        for (; r + ROW_BLOCK4 <= rows; r += ROW_BLOCK4)
+            tile_rows(xq + r * in, xd + r * groups, sx + r * groups, qt, dt, mt, y + r * out, ROW_BLOCK4, groups,
+                      out, t * TILE);
+        switch (rows - r) {
+        case 1: tile_rows(xq + r * in, xd + r * groups, sx + r * groups, qt, dt, mt, y + r * out, 1, groups, out, t * TILE); break;
+        case 2: tile_rows(xq + r * in, xd + r * groups, sx + r * groups, qt, dt, mt, y + r * out, 2, groups, out, t * TILE); break;
+        case 3: tile_rows(xq + r * in, xd + r * groups, sx + r * groups, qt, dt, mt, y + r * out, 3, groups, out, t * TILE); break;
+        default: break;
+        }
+    }
+    free(xq), free(xd), free(sx);
+    return 0;
+}
+
+static inline __attribute__((always_inline)) void tile_rows8(const int8_t *xq, const float *xd, const int8_t *q,
+                                                            const float *d, const int32_t *c, float *y, const int n,
+                                                            const int64_t groups, const int64_t out,
+                                                            const int64_t first) {
+    /* as tile_rows, over one tile of an 8-bit matrix (q, d and c as laid out at the top) */
+    const int64_t in = groups * GROUP;
+#if defined(VNNI)
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 a[ROW_BLOCK4];
+    for (int r = 0; r < n; r++) a[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i w[8];
+        for (int k = 0; k < 8; k++) w[k] = _mm512_loadu_si512((const void *)(q + (g * 8 + k) * 64));
+        const __m512 dv = _mm512_loadu_ps(d + g * TILE);
+        const __m512i cv = _mm512_loadu_si512((const void *)(c + g * TILE));
+        for (int r = 0; r < n; r++) {
+            const int8_t *xg = xq + r * in + g * GROUP;
+            /* x8 + 128 as unsigned bytes times q, less 128 times the sum of q */
+            __m512i s = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++)
+                s = _mm512_dpbusd_epi32(s, _mm512_xor_si512(_mm512_set1_epi32(chunk(xg + 4 * k)), flip), w[k]);
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * groups + g]));
+            a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, cv)), scale, a[r]);
+        }
+    }
+    const int64_t left = out - first;
+    const __mmask16 keep = left >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + first, keep, a[r]);
+#elif defined(MADD)
+    (void)c;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) { /* outputs 8 h .. 8 h + 7 of the tile: bytes 32 h .. 32 h + 31 of each 64 */
+        __m256 a[ROW_BLOCK4];
+        for (int r = 0; r < n; r++) a[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256i w[8], size[8];
+            for (int k = 0; k < 8; k++) {
+                w[k] = _mm256_loadu_si256((const __m256i *)(q + (g * 8 + k) * 64 + h * 32));
+                size[k] = _mm256_abs_epi8(w[k]);
+            }
+            const __m256 dv = _mm256_loadu_ps(d + g * TILE + h * 8);
+            for (int r = 0; r < n; r++) {
+                const int8_t *xg = xq + r * in + g * GROUP;
+                /* |q| times x8 with q's sign, pairs summed in int16 (at most 2 * 127 * 127 a lane) */
+                __m256i s = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) {
+                    const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(chunk(xg + 4 * k)), w[k]);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(size[k], signed_x), ones));
+                }
+                const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * groups + g]));
+                a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, a[r]);
+            }
+        }
+        for (int r = 0; r < n; r++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, a[r]);
+            for (int o = 0; o < 8 && first + h * 8 + o < out; o++) y[r * out + first + h * 8 + o] = lanes[o];
+        }
+    }
 #else
-    return product(x, q, d, m, y, rows, in, out, threads, 1);
+    (void)c;
+    for (int r = 0; r < n; r++)
+        for (int o = 0; o < TILE && first + o < out; o++) {
+            float a = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int8_t *xg = xq + r * in + g * GROUP;
+                int32_t s = 0;
+                for (int k = 0; k < 8; k++)
+                    for (int i = 0; i < 4; i++) s += q[((g * 8 + k) * TILE + o) * 4 + i] * xg[4 * k + i];
+                a = fmaf((float)s, d[g * TILE + o] * xd[r * groups + g], a);
+            }
+            y[r * out + first + o] = a;
+        }
 #endif
+}
+
+int miserver_int8_product(const float *x, const int8_t *q, const float *d, const int32_t *c, float *y, int64_t rows,
+                          int64_t in, int64_t out, int threads) {
+    /* as miserver_int4_product, for an 8-bit matrix */
+    if (in % GROUP) return 2;
+    const int64_t groups = in / GROUP, tiles = (out + TILE - 1) / TILE;
+    int8_t *xq = malloc((size_t)(rows * in));
+    float *xd = malloc((size_t)(rows * groups) * sizeof(float)), *sx = malloc((size_t)(rows * groups) * sizeof(float));
+    if (xq == NULL || xd == NULL || sx == NULL) {
+        free(xq), free(xd), free(sx);
+        return 1;
+    }
+    quantize_inputs(x, xq, xd, sx, rows * groups);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *qt = q + t * groups * (TILE * GROUP);
+        const float *dt = d + t * groups * TILE;
+        const int32_t *ct = c + t * groups * TILE;
+        int64_t r = 0;
+        for (; r + ROW_BLOCK4 <= rows; r += ROW_BLOCK4)
+            tile_rows8(xq + r * in, xd + r * groups, qt, dt, ct, y + r * out, ROW_BLOCK4, groups, out, t * TILE);
+        switch (rows - r) {
+        case 1: tile_rows8(xq + r * in, xd + r * groups, qt, dt, ct, y + r * out, 1, groups, out, t * TILE); break;
+        case 2: tile_rows8(xq + r * in, xd + r * groups, qt, dt, ct, y + r * out, 2, groups, out, t * TILE); break;
+        case 3: tile_rows8(xq + r * in, xd + r * groups, qt, dt, ct, y + r * out, 3, groups, out, t * TILE); break;
+        default: break;
+        }
+    }
+    free(xq), free(xd), free(sx);
+    return 0;
 }

@@ -2,14 +2,16 @@
 
 A GGUF ``Q4_1`` or ``Q8_0`` matrix (groups of 32 inputs sharing a float16 scale, and for ``Q4_1`` a float16 minimum)
 reaches the slot forward dequantized to float32 by transformers, four bytes a weight. The kernel reads the
-quantized bits instead (half a byte or one byte a weight, and a scale a group) and computes the float32 product up to
-the rounding of its additions (see the C source for the order); a row's result never depends on the other rows. On a
-CPU whose decode step is bound by reading weights, a product of a few rows then costs what reading those bytes costs.
+quantized bits instead (half a byte or one byte a weight, and a scale a group): it rounds each row's inputs to 8 bits
+a group and multiplies in integers, as llama.cpp does, in the same bits on every processor (see the C source for the
+order). A row's result never depends on the other rows. A matrix is multiplied in tiles of 16 outputs, laid out
+once by :func:`int4_tiles` or :func:`int8_tiles`.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +21,95 @@ from miserver.engines.local import native
 SOURCE = Path(__file__).with_name("quantized.c")
 #: Input columns per group: the block of GGUF's Q4_1 and Q8_0 (``GROUP`` in the C source).
 GROUP = 32
+#: Outputs per tile of a 4-bit matrix (``TILE`` in the C source).
+TILE = 16
+
+
+@dataclass(frozen=True)
+class Int4Tiles:
+    """A 4-bit ``[out, in]`` matrix laid out for the kernel's products of 16 outputs at once (:func:`int4_tiles`):
+    ``q`` (``[tiles, in / 32, 4, 16, 4]``, uint8), byte ``[t, g, b, o, i]`` holding the values of output ``16 t + o``
+    at inputs ``32 g + 4 b + i`` (low four bits) and ``32 g + 16 + 4 b + i`` (high four); ``scales`` and ``mins``
+    (``[tiles, in / 32, 16]``, float32); the last tile padded with zero weights past ``out``."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    out: int
+
+    @property
+    def width(self) -> int:
+        """Input columns, ``in``."""
+        return int(self.q.shape[1]) * GROUP
+
+
+@dataclass(frozen=True)
+class Int8Tiles:
+    """An 8-bit ``[out, in]`` matrix laid out for the kernel's products of 16 outputs at once (:func:`int8_tiles`):
+    ``q`` (``[tiles, in / 32, 8, 16, 4]``, int8), ``[t, g, k, o, i]`` the value of output ``16 t + o`` at input
+    ``32 g + 4 k + i``; ``scales`` (``[tiles, in / 32, 16]``, float32); ``offsets`` (the same shape, int32) 128 times
+    the sum of each group's values; the last tile padded with zero weights past ``out``."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    out: int
+
+    @property
+    def width(self) -> int:
+        """Input columns, ``in``."""
+        return int(self.q.shape[1]) * GROUP
+
+
+def int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> Int8Tiles:
+    """``q`` (``[out, in]`` int8, -127 to 127) and ``scales`` (``[out, in / 32]`` float32), each weight ``scales[o,
+    i / 32] * q[o, i]`` as GGUF's Q8_0 holds it, laid out as :class:`Int8Tiles`. Raises ``ValueError`` when the shapes
+    disagree or a value is -128."""
+    out, width = q.shape
+    if (
+        q.dtype != torch.int8
+        or width % GROUP
+        or scales.shape != (out, width // GROUP)
+        or scales.dtype != torch.float32
+        or bool((q == -128).any())
+    ):
+        raise ValueError(
+            f"an 8-bit matrix of {q.dtype} {list(q.shape)} (-127 to 127) and scales {scales.dtype} {list(scales.shape)}"
+        )
+    groups, tiles = width // GROUP, -(-out // TILE)
+    pad = tiles * TILE - out
+    values = torch.nn.functional.pad(q, (0, 0, 0, pad)).reshape(tiles, TILE, groups, 8, 4)
+    d = torch.nn.functional.pad(scales, (0, 0, 0, pad)).reshape(tiles, TILE, groups).transpose(1, 2)
+    offsets = values.sum((3, 4), dtype=torch.int32).transpose(1, 2) * 128
+    return Int8Tiles(values.permute(0, 2, 3, 1, 4).contiguous(), d.contiguous(), offsets.contiguous(), out)
+
+
+def int4_tiles(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Tiles:
+    """``packed`` (``[out, in / 2]`` uint8, a group's 16 bytes holding its values ``q[j]`` low and ``q[j + 16]`` high,
+    as GGUF's Q4_1 does), ``scales`` and ``mins`` (``[out, in / 32]`` float32) laid out as :class:`Int4Tiles`.
+    Raises ``ValueError`` when the shapes disagree."""
+    out, half = packed.shape
+    groups = half * 2 // GROUP
+    if (
+        packed.dtype != torch.uint8
+        or half * 2 % GROUP
+        or scales.shape != (out, groups)
+        or mins.shape != (out, groups)
+        or scales.dtype != torch.float32
+        or mins.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"a 4-bit matrix of {packed.dtype} {list(packed.shape)}, scales {scales.dtype} {list(scales.shape)} "
+            f"and minimums {mins.dtype} {list(mins.shape)}"
+        )
+    tiles = -(-out // TILE)
+    pad = tiles * TILE - out
+    q = torch.nn.functional.pad(packed, (0, 0, 0, pad)).reshape(tiles, TILE, groups, 4, 4)
+    d = torch.nn.functional.pad(scales, (0, 0, 0, pad)).reshape(tiles, TILE, groups)
+    m = torch.nn.functional.pad(mins, (0, 0, 0, pad)).reshape(tiles, TILE, groups)
+    return Int4Tiles(
+        q.permute(0, 2, 3, 1, 4).contiguous(), d.transpose(1, 2).contiguous(), m.transpose(1, 2).contiguous(), out
+    )
 
 
 class QuantizedProducts:
@@ -27,57 +118,50 @@ class QuantizedProducts:
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         self._int8 = library.miserver_int8_product
-        self._int8.argtypes = [pointer] * 4 + [i64] * 3 + [ctypes.c_int]
+        self._int8.argtypes = [pointer] * 5 + [i64] * 3 + [ctypes.c_int]
         self._int8.restype = ctypes.c_int
         self._int4 = library.miserver_int4_product
         self._int4.argtypes = [pointer] * 5 + [i64] * 3 + [ctypes.c_int]
         self._int4.restype = ctypes.c_int
 
-    def int8(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """``x @ (scales * q).T``: ``x`` ``[rows, in]`` float32, ``q`` ``[out, in]`` int8, ``scales`` ``[out, in /
-        32]`` float32, each group's scale; returns ``[rows, out]`` float32. Raises ``ValueError`` when ``in`` is not
-        a multiple of 32 or the shapes disagree."""
-        out = _checked(x, q, scales, q.shape[1], torch.int8)
-        y = torch.empty((x.shape[0], out), dtype=torch.float32, device=x.device)
+    def int8(self, x: torch.Tensor, tiles: Int8Tiles) -> torch.Tensor:
+        """``x @ weight.T`` for the 8-bit matrix ``tiles`` (:class:`Int8Tiles`), as :meth:`int4`."""
+        _fits(x, tiles.width)
+        y = torch.empty((x.shape[0], tiles.out), dtype=torch.float32, device=x.device)
         x = x.contiguous()
-        failed = self._int8(x.data_ptr(), q.data_ptr(), scales.data_ptr(), y.data_ptr(), *_sizes(x, out))
+        failed = self._int8(
+            x.data_ptr(),
+            tiles.q.data_ptr(),
+            tiles.scales.data_ptr(),
+            tiles.offsets.data_ptr(),
+            y.data_ptr(),
+            *_sizes(x, tiles.out),
+        )
         return _result(failed, y)
 
-    def int4(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-        """``x @ (scales * q + mins).T`` with ``q`` 0 to 15 two to a byte (``packed``, ``[out, in / 2]`` uint8: byte
-        ``j`` of a group's 16 holds ``q[j]`` in its low four bits and ``q[j + 16]`` in its high four); ``scales`` and
-        ``mins`` ``[out, in / 32]`` float32; ``x`` ``[rows, in]`` float32; returns ``[rows, out]`` float32. Raises
-        ``ValueError`` when ``in`` is not a multiple of 32 or the shapes disagree, ``MemoryError`` when the kernel
+    def int4(self, x: torch.Tensor, tiles: Int4Tiles) -> torch.Tensor:
+        """``x @ weight.T`` for the 4-bit matrix ``tiles`` (:class:`Int4Tiles`, each weight ``d * q + m``), ``x``
+        ``[rows, in]`` float32; returns ``[rows, out]`` float32, each row's inputs rounded to 8 bits a group (see
+        the module). Raises ``ValueError`` when ``x`` does not fit the matrix, ``MemoryError`` when the kernel
         cannot allocate its scratch."""
-        out = _checked(x, packed, scales, packed.shape[1] * 2, torch.uint8)
-        if mins.shape != scales.shape or mins.dtype != torch.float32 or not mins.is_contiguous():
-            raise ValueError(f"a 4-bit product's minimums {list(mins.shape)} against scales {list(scales.shape)}")
-        y = torch.empty((x.shape[0], out), dtype=torch.float32, device=x.device)
+        _fits(x, tiles.width)
+        y = torch.empty((x.shape[0], tiles.out), dtype=torch.float32, device=x.device)
         x = x.contiguous()
         failed = self._int4(
-            x.data_ptr(), packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(), *_sizes(x, out)
+            x.data_ptr(),
+            tiles.q.data_ptr(),
+            tiles.scales.data_ptr(),
+            tiles.mins.data_ptr(),
+            y.data_ptr(),
+            *_sizes(x, tiles.out),
         )
         return _result(failed, y)
 
 
-def _checked(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, width: int, dtype: torch.dtype) -> int:
-    """The product's output count, once ``x``, ``q`` (``width`` inputs) and ``scales`` agree; ``ValueError`` else."""
-    out = q.shape[0]
-    if (
-        x.dim() != 2
-        or x.shape[1] != width
-        or width % GROUP
-        or scales.shape != (out, width // GROUP)
-        or x.dtype != torch.float32
-        or q.dtype != dtype
-        or scales.dtype != torch.float32
-        or not (q.is_contiguous() and scales.is_contiguous())
-    ):
-        raise ValueError(
-            f"a quantized product of {x.dtype} {list(x.shape)} by {q.dtype} {list(q.shape)}, scales "
-            f"{scales.dtype} {list(scales.shape)} (inputs a multiple of {GROUP}, contiguous)"
-        )
-    return int(out)
+def _fits(x: torch.Tensor, width: int) -> None:
+    """``ValueError`` unless ``x`` is ``[rows, width]`` float32."""
+    if x.dim() != 2 or x.shape[1] != width or x.dtype != torch.float32:
+        raise ValueError(f"a quantized product of {x.dtype} {list(x.shape)} by a matrix of {width} inputs")
 
 
 def _sizes(x: torch.Tensor, out: int) -> tuple[int, int, int, int]:

@@ -18,7 +18,7 @@ from typing import Literal, TypeVar, cast, get_args
 import torch
 from transformers import PreTrainedModel
 
-from miserver.engines.local.quantized import GROUP, QuantizedProducts
+from miserver.engines.local.quantized import GROUP, Int4Tiles, Int8Tiles, QuantizedProducts, int4_tiles, int8_tiles
 
 #: How the slot forward holds the projection weights and the output head (see :class:`SlotModel`).
 WeightLayout = Literal["bfloat16", "packed", "transposed", "view"]
@@ -27,25 +27,21 @@ WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = get_args(WeightLayout)
 
 @dataclass(frozen=True)
 class Int4Matrix:
-    """A ``[out, in]`` weight held in 4 bits as GGUF's Q4_1 holds it, for the quantized product kernel
-    (``llama_ops.project``): ``packed`` (``[out, in / 2]``, uint8) its values ``q`` (0 to 15) two to a byte (byte
-    ``j`` of a group's 16 holds ``q[j]`` low and ``q[j + 16]`` high), ``scales`` and ``mins`` (``[out, in / 32]``,
-    float32) each group's ``d`` and ``m``, the weight being ``d * q + m``; ``product`` the loaded kernel."""
+    """A ``[out, in]`` weight held in 4 bits as GGUF's Q4_1 holds it (each weight ``d * q + m``, ``q`` 0 to 15), for
+    the quantized product kernel (``llama_ops.project``): ``tiles`` its values, scales and minimums as the kernel
+    reads them (``quantized.int4_tiles`` of :func:`int4_groups`); ``product`` the loaded kernel."""
 
-    packed: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor
+    tiles: Int4Tiles
     product: QuantizedProducts
 
 
 @dataclass(frozen=True)
 class Int8Matrix:
-    """A ``[out, in]`` weight held in 8 bits as GGUF's Q8_0 holds it, for the quantized product kernel
-    (``llama_ops.project``): ``q`` (``[out, in]``, int8) and ``scales`` (``[out, in / 32]``, float32), the weight
-    being ``scales[o, i / 32] * q[o, i]``; ``product`` the loaded kernel."""
+    """A ``[out, in]`` weight held in 8 bits as GGUF's Q8_0 holds it (each weight ``d * q``, ``q`` an int8), for the
+    quantized product kernel (``llama_ops.project``): ``tiles`` its values and scales as the kernel reads them
+    (``quantized.int8_tiles`` of :func:`int8_groups`); ``product`` the loaded kernel."""
 
-    q: torch.Tensor
-    scales: torch.Tensor
+    tiles: Int8Tiles
     product: QuantizedProducts
 
 
@@ -275,9 +271,9 @@ class WeightCopies:
         def made() -> Int4Matrix | Int8Matrix | None:
             w = weight()
             if (four := int4_groups(w)) is not None:
-                return Int4Matrix(*four, products)
+                return Int4Matrix(int4_tiles(*four), products)
             eight = int8_groups(w)
-            return None if eight is None else Int8Matrix(*eight, products)
+            return None if eight is None else Int8Matrix(int8_tiles(*eight), products)
 
         return self._copy(sources, "quantized", made)
 

@@ -101,19 +101,19 @@ class SlotModel:
     output is returned in the model's dtype, while norms, rotary embedding, attention, the residual stream and the
     cache stay in the model's dtype (half the bytes read per token, and the CPU's native bfloat16 dot products).
     bfloat16 is the decode step's only: the own prefill multiplies by the ``"packed"`` copy in the model's dtype, so
-    a prompt's first token and its logprobs are those of the model's dtype, as in scoring. A copy costs one more copy
-    of those weights in memory and is remade at the next step when its parameter changed (a weight write). ``compile``
-    runs the decode forward through ``torch.compile`` (dynamic shapes; compiled at the first steps of each new shape,
-    minutes on a small CPU, from inductor's cache at later starts); any failure of it is logged and the step runs
-    eager from then on. ``attention`` says how the decode step attends: ``"kernel"``, the native kernel of
-    ``attention.py`` (each row over its own columns; built under ``kernel_folder``), where it covers the model and
-    builds, and not with ``compile``; else ``"sdpa"``, torch's fused attention over the longest row's width, masked.
-    With ``quantized_rows`` above 0 (float32 model on the CPU, eager, a layout other than ``"view"``), a decode step
-    of at most that many rows multiplies each matrix that is exactly a GGUF 4-bit (``Q4_1``) or 8-bit (``Q8_0``) one
-    in its own bits (``slot_weights.WeightCopies.matrix``, through the kernel of ``quantized.py`` built under
-    ``kernel_folder``): fewer bytes read per token; 4-bit products round their inputs to 8 bits a group on AVX2 (as
-    llama.cpp does), 8-bit ones differ from float32 in the order of their additions. Larger steps and the prefill
-    multiply in ``weights``. It stays 0 for a model with no such matrix, or without a C compiler.
+    a prompt's first token and its logprobs are those of the model's dtype, as in scoring (quantized bits aside). A
+    copy costs one more copy of those weights in memory and is remade at the next step when its parameter changed (a
+    weight write). ``compile`` runs the decode forward through ``torch.compile`` (dynamic shapes; compiled at the
+    first steps of each new shape, minutes on a small CPU, from inductor's cache at later starts); any failure of it
+    is logged and the step runs eager from then on. ``attention`` says how the decode step attends: ``"kernel"``,
+    the native kernel of ``attention.py`` (each row over its own columns; built under ``kernel_folder``), where it
+    covers the model and builds, and not with ``compile``; else ``"sdpa"``, torch's fused attention over the longest
+    row's width, masked. With ``quantized_rows`` above 0 (float32 model on the CPU, eager, a layout other than
+    ``"view"``), a decode step of at most that many rows, and the own prefill, multiply each matrix that is exactly
+    a GGUF 4-bit (``Q4_1``) or 8-bit (``Q8_0``) one in its own bits (``slot_weights.WeightCopies.matrix``, through
+    the kernel of ``quantized.py`` built under ``kernel_folder``): fewer bytes read per token, and integer products,
+    each row's inputs rounded to 8 bits a group (as llama.cpp does), so a prompt's first token is then the quantized
+    model's. Larger steps multiply in ``weights``. It stays 0 for a model with no such matrix, or without a compiler.
     """
 
     def __init__(
@@ -162,7 +162,7 @@ class SlotModel:
         products = quantized_kernel.load(kernel_folder) if own_bits else None
         #: the weights in each layout (see ``slot_weights``), with the quantized product kernel where it was loaded
         self._copies = WeightCopies(model, products)
-        #: decode steps of at most this many rows multiply 4-bit and 8-bit matrices in their own bits (0: never)
+        #: the prefill and steps of at most this many rows multiply quantized matrices in their own bits (0: never)
         self.quantized_rows = quantized_rows if products is not None else 0
         #: the native decode attention, or None: torch's
         self._kernel: attention_kernel.DecodeAttention | None = None
@@ -385,7 +385,8 @@ class SlotModel:
         positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
         hidden = self._embed(ids)  # [N, hidden]
         cos, sin = self._cos[positions], self._sin[positions]
-        for i, layer in enumerate(self._copies.layers(self.prefill_weights)):
+        quantized = self.quantized_rows > 0  # the prefill's products are row by row: any length
+        for i, layer in enumerate(self._copies.layers(self.prefill_weights, quantized=quantized)):
             q, k, v = attention_inputs(hidden, layer, cos, sin, self.eps, self.heads, self.kv_heads)
             parts, start = [], 0
             for slot, n in zip(slots, lengths, strict=True):
@@ -404,7 +405,8 @@ class SlotModel:
         ends = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
         last = rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        return list(project(last, self._copies.matrix(head.weight, self.prefill_weights), head.bias).float())
+        matrix = self._copies.matrix(head.weight, self.prefill_weights, quantized=quantized)
+        return list(project(last, matrix, head.bias).float())
 
     def _attend(
         self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
