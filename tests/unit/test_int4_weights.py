@@ -92,6 +92,12 @@ def test_the_kernel_refuses_shapes_it_does_not_cover(kernel: quantized_kernel.Qu
         quantized_kernel.int4_tiles(packed, scales, torch.zeros(4, 3))
     with pytest.raises(ValueError, match="4-bit matrix"):
         quantized_kernel.int4_tiles(torch.zeros(4, 20, dtype=torch.uint8), torch.zeros(4, 1), torch.zeros(4, 1))
+    with pytest.raises(ValueError, match="tiles of"):  # the values' groups disagree with the scales'
+        quantized_kernel.Int4Tiles(tiles.q[:, :1], tiles.scales, tiles.mins, tiles.out)
+    with pytest.raises(ValueError, match="tiles of"):  # more outputs than one tile holds
+        quantized_kernel.Int4Tiles(tiles.q, tiles.scales, tiles.mins, 17)
+    with pytest.raises(ValueError, match="tiles of"):  # not contiguous
+        quantized_kernel.Int4Tiles(tiles.q, tiles.scales.transpose(1, 2).contiguous().transpose(1, 2), tiles.mins, 4)
 
 
 def test_only_an_exact_4_bit_matrix_is_taken() -> None:

@@ -21,7 +21,7 @@ from miserver.engines.local import native
 SOURCE = Path(__file__).with_name("quantized.c")
 #: Input columns per group: the block of GGUF's Q4_1 and Q8_0 (``GROUP`` in the C source).
 GROUP = 32
-#: Outputs per tile of a 4-bit matrix (``TILE`` in the C source).
+#: Outputs per tile of a quantized matrix (``TILE`` in the C source).
 TILE = 16
 
 
@@ -36,6 +36,12 @@ class Int4Tiles:
     scales: torch.Tensor
     mins: torch.Tensor
     out: int
+
+    def __post_init__(self) -> None:
+        tiles, groups = self.q.shape[:2]
+        _laid_out(self.q, (tiles, groups, 4, TILE, 4), torch.uint8, self.out)
+        _laid_out(self.scales, (tiles, groups, TILE), torch.float32, self.out)
+        _laid_out(self.mins, (tiles, groups, TILE), torch.float32, self.out)
 
     @property
     def width(self) -> int:
@@ -55,10 +61,23 @@ class Int8Tiles:
     offsets: torch.Tensor
     out: int
 
+    def __post_init__(self) -> None:
+        tiles, groups = self.q.shape[:2]
+        _laid_out(self.q, (tiles, groups, 8, TILE, 4), torch.int8, self.out)
+        _laid_out(self.scales, (tiles, groups, TILE), torch.float32, self.out)
+        _laid_out(self.offsets, (tiles, groups, TILE), torch.int32, self.out)
+
     @property
     def width(self) -> int:
         """Input columns, ``in``."""
         return int(self.q.shape[1]) * GROUP
+
+
+def _laid_out(tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, out: int) -> None:
+    """``ValueError`` unless ``tensor`` is a contiguous ``shape`` of ``dtype`` whose tiles hold ``out`` outputs."""
+    tiles = shape[0]
+    if tensor.shape != shape or tensor.dtype != dtype or not tensor.is_contiguous() or not 0 < out <= tiles * TILE:
+        raise ValueError(f"tiles of {tensor.dtype} {list(tensor.shape)} for {out} outputs, not {dtype} {list(shape)}")
 
 
 def int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> Int8Tiles:

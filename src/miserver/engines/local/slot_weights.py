@@ -63,12 +63,12 @@ def bfloat16_available() -> bool:
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(packed, scales, mins)`` of :class:`Int4Matrix` for ``weight`` (``[out, in]``, float32), when it is exactly
-    a 4-bit matrix as GGUF's Q4_1 stores one and transformers dequantizes it: every 32 input columns of a row hold
-    ``d * q + m`` computed in float32, with ``q`` in 0 to 15 and ``d``, ``m`` float16 values (the group's least
-    value has ``q`` 0, its greatest 15, as Q4_1's quantizer makes them). None for any other weight (float, 8-bit,
-    another grouping, an edited one): the values found are multiplied back and compared with ``weight`` bit for
-    bit."""
+    """``(packed, scales, mins)``, as ``quantized.int4_tiles`` takes them, for ``weight`` (``[out, in]``, float32),
+    when it is exactly a 4-bit matrix as GGUF's Q4_1 stores one and transformers dequantizes it: every 32 input
+    columns of a row hold ``d * q + m`` computed in float32, with ``q`` in 0 to 15 and ``d``, ``m`` float16 values
+    (the group's least value has ``q`` 0, its greatest 15, as Q4_1's quantizer makes them). None for any other
+    weight (float, 8-bit, another grouping, an edited one): the values found are multiplied back and compared with
+    ``weight`` bit for bit."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GROUP:
         return None
     if _four_bit(weight[:1]) is None:  # the first row first: most weights are not 4-bit, and this is cheap
@@ -98,11 +98,11 @@ def _four_bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(q, scales)`` of :class:`Int8Matrix` for ``weight`` (``[out, in]``, float32), when it is exactly an 8-bit
-    matrix as GGUF's Q8_0 stores one and transformers dequantizes it: every 32 input columns of a row hold ``d * q``
-    with ``q`` an int8 and ``d`` a float16 value, the group's largest magnitude being ``127 d`` (as Q8_0's quantizer
-    makes it). None for any other weight (float, 4-bit, another grouping, an edited one): the values found are
-    multiplied back and compared with ``weight`` bit for bit."""
+    """``(q, scales)``, as ``quantized.int8_tiles`` takes them, for ``weight`` (``[out, in]``, float32), when it is
+    exactly an 8-bit matrix as GGUF's Q8_0 stores one and transformers dequantizes it: every 32 input columns of a
+    row hold ``d * q`` with ``q`` an int8 and ``d`` a float16 value, the group's largest magnitude being ``127 d``
+    (as Q8_0's quantizer makes it). None for any other weight (float, 4-bit, another grouping, an edited one): the
+    values found are multiplied back and compared with ``weight`` bit for bit."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GROUP:
         return None
     w = weight.detach()
