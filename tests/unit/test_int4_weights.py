@@ -96,6 +96,8 @@ def test_the_kernel_refuses_shapes_it_does_not_cover(kernel: quantized_kernel.Qu
         quantized_kernel.Int4Tiles(tiles.q[:, :1], tiles.scales, tiles.mins, tiles.out)
     with pytest.raises(ValueError, match="tiles of"):  # more outputs than one tile holds
         quantized_kernel.Int4Tiles(tiles.q, tiles.scales, tiles.mins, 17)
+    with pytest.raises(ValueError, match="quantized product"):
+        kernel.int4(torch.zeros(1, 64, device="meta"), tiles)
     with pytest.raises(ValueError, match="tiles of"):  # not contiguous
         quantized_kernel.Int4Tiles(tiles.q, tiles.scales.transpose(1, 2).contiguous().transpose(1, 2), tiles.mins, 4)
 
@@ -184,9 +186,16 @@ def test_every_instruction_set_gives_the_quantized_products_the_same_bits(
     assert found is not None
     tiles = quantized_kernel.int4_tiles(*found)
     x = torch.randn(5, 96)
-    assert torch.equal(other.int4(x, tiles), kernel.int4(x, tiles))
+    tiny = torch.finfo(torch.float32).smallest_normal / 2**23  # the least subnormal
+    x[1, :32] = torch.arange(-16, 16) * 8.0 * tiny  # a group whose scale rounds to one subnormal: -128 clamped to -127
+    x[2, 40] = float("nan")
+    y = kernel.int4(x, tiles)
+    assert torch.allclose(other.int4(x, tiles), y, rtol=0, atol=0, equal_nan=True)  # the same bits, NaN where NaN
+    assert y[2].isnan().all() and y[[0, 1, 3, 4]].isfinite().all()  # a NaN input spoils its row, as in float32
     eight = q8_0(torch.randn(24, 96) * 0.05)
     found8 = int8_groups(eight)
     assert found8 is not None
     tiles8 = quantized_kernel.int8_tiles(*found8)
-    assert torch.equal(other.int8(x, tiles8), kernel.int8(x, tiles8))
+    y8 = kernel.int8(x, tiles8)
+    assert torch.allclose(other.int8(x, tiles8), y8, rtol=0, atol=0, equal_nan=True)
+    assert y8[2].isnan().all() and y8[[0, 1, 3, 4]].isfinite().all()

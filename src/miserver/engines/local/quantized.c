@@ -27,9 +27,11 @@
  * time (fmaf). So a row's result has the same bits on every processor and never depends on the other rows of the
  * product, nor on how tiles are spread over threads. The inputs' rounding to 8 bits (at most dx / 2 an input) is the
  * only difference from the float32 product beyond the additions' rounding: about what rounding the inputs to
- * bfloat16 costs. ``in`` must be a multiple of 32.
+ * bfloat16 costs (llama.cpp's method; it also rounds dx to float16, which this kernel does not). A group holding a
+ * NaN or an infinity makes its row's results NaN. ``in`` must be a multiple of 32.
  */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,8 +42,7 @@
 #endif
 
 #define GROUP 32
-#define LANES 8
-#define TILE 16      /* outputs of a 4-bit tile */
+#define TILE 16      /* outputs of a tile */
 #define ROW_BLOCK4 4 /* rows at a time */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -51,23 +52,26 @@
 #endif
 
 static void quantize_inputs(const float *x, int8_t *xq, float *xd, float *sx, const int64_t count) {
-    /* x's groups (count of them, GROUP floats each) to int8: xq, the scales xd and sx = dx * the sum of x8 */
+    /* x's groups (count of them, GROUP floats each) to int8: xq, the scales xd and sx = dx * the sum of x8. A group
+       holding a NaN or an infinity gets x8 = 0 and a scale that is not finite, so its products are NaN, as float32's
+       would be; x8 is clamped to -127 .. 127 (a group of tiny subnormals can round past it) */
     for (int64_t c = 0; c < count; c++) {
         const float *xg = x + c * GROUP;
         float top = 0.0f;
         for (int i = 0; i < GROUP; i++) {
             const float a = fabsf(xg[i]);
-            top = a > top ? a : top;
+            top = (a > top || a != a) && top == top ? a : top; /* a NaN, once seen, stays */
         }
         const float scale = top / 127.0f;
+        const int usable = scale > 0.0f && scale <= FLT_MAX;
         int32_t total = 0;
         for (int i = 0; i < GROUP; i++) {
-            const int8_t v = (int8_t)(scale > 0 ? rintf(xg[i] / scale) : 0.0f);
-            xq[c * GROUP + i] = v;
-            total += v;
+            const float v = usable ? fminf(fmaxf(rintf(xg[i] / scale), -127.0f), 127.0f) : 0.0f;
+            xq[c * GROUP + i] = (int8_t)v;
+            total += (int32_t)v;
         }
-        xd[c] = scale;
-        sx[c] = scale * (float)total;
+        xd[c] = top != top ? top : scale;
+        sx[c] = xd[c] * (float)total;
     }
 }
 

@@ -74,10 +74,13 @@ class Int8Tiles:
 
 
 def _laid_out(tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, out: int) -> None:
-    """``ValueError`` unless ``tensor`` is a contiguous ``shape`` of ``dtype`` whose tiles hold ``out`` outputs."""
+    """``ValueError`` unless ``tensor`` is a contiguous ``shape`` of ``dtype`` on the CPU whose tiles hold ``out``
+    outputs (the last one at least one)."""
     tiles = shape[0]
-    if tensor.shape != shape or tensor.dtype != dtype or not tensor.is_contiguous() or not 0 < out <= tiles * TILE:
-        raise ValueError(f"tiles of {tensor.dtype} {list(tensor.shape)} for {out} outputs, not {dtype} {list(shape)}")
+    if tensor.shape != shape or tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError(f"tiles of {tensor.dtype} {list(tensor.shape)}, not {dtype} {list(shape)} (contiguous, CPU)")
+    if not (tiles - 1) * TILE < out <= tiles * TILE:
+        raise ValueError(f"tiles of {out} outputs in {tiles} tiles of {TILE}")
 
 
 def int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> Int8Tiles:
@@ -178,9 +181,12 @@ class QuantizedProducts:
 
 
 def _fits(x: torch.Tensor, width: int) -> None:
-    """``ValueError`` unless ``x`` is ``[rows, width]`` float32."""
-    if x.dim() != 2 or x.shape[1] != width or x.dtype != torch.float32:
-        raise ValueError(f"a quantized product of {x.dtype} {list(x.shape)} by a matrix of {width} inputs")
+    """``ValueError`` unless ``x`` is ``[rows, width]`` float32 on the CPU."""
+    if x.dim() != 2 or x.shape[1] != width or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(
+            f"a quantized product of {x.dtype} {list(x.shape)} on {x.device.type} by a matrix of {width} inputs "
+            "(float32, CPU)"
+        )
 
 
 def _sizes(x: torch.Tensor, out: int) -> tuple[int, int, int, int]:
