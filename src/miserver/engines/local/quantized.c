@@ -75,6 +75,27 @@ static void quantize_inputs(const float *x, int8_t *xq, float *xd, float *sx, co
     }
 }
 
+typedef struct {
+    int8_t *q;    /* [rows, in], x8 */
+    float *d, *s; /* [rows, groups], dx and sx */
+} Inputs;
+
+static int inputs(const float *x, const int64_t rows, const int64_t in, Inputs *xs) {
+    /* x [rows, in] quantized into scratch (release() frees it); 1 when memory could not be had (nothing held) */
+    const int64_t groups = in / GROUP;
+    xs->q = malloc((size_t)(rows * in));
+    xs->d = malloc((size_t)(rows * groups) * sizeof(float));
+    xs->s = malloc((size_t)(rows * groups) * sizeof(float));
+    if (xs->q == NULL || xs->d == NULL || xs->s == NULL) {
+        free(xs->q), free(xs->d), free(xs->s);
+        return 1;
+    }
+    quantize_inputs(x, xs->q, xs->d, xs->s, rows * groups);
+    return 0;
+}
+
+static void release(Inputs *xs) { free(xs->q), free(xs->d), free(xs->s); }
+
 static inline int32_t chunk(const int8_t *at) {
     /* 4 int8 as one int32 (for broadcasting) */
     int32_t v;
@@ -170,13 +191,10 @@ int miserver_int4_product(const float *x, const uint8_t *q, const float *d, cons
     /* 0 on success; 1 when scratch memory could not be had; 2 when in is not a multiple of GROUP (y untouched) */
     if (in % GROUP) return 2;
     const int64_t groups = in / GROUP, tiles = (out + TILE - 1) / TILE;
-    int8_t *xq = malloc((size_t)(rows * in));
-    float *xd = malloc((size_t)(rows * groups) * sizeof(float)), *sx = malloc((size_t)(rows * groups) * sizeof(float));
-    if (xq == NULL || xd == NULL || sx == NULL) {
-        free(xq), free(xd), free(sx);
-        return 1;
-    }
-    quantize_inputs(x, xq, xd, sx, rows * groups);
+    Inputs xs;
+    if (inputs(x, rows, in, &xs)) return 1;
+    const int8_t *xq = xs.q;
+    const float *xd = xs.d, *sx = xs.s;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *qt = q + t * groups * (TILE * GROUP / 2);
@@ -192,7 +210,7 @@ int miserver_int4_product(const float *x, const uint8_t *q, const float *d, cons
         default: break;
         }
     }
-    free(xq), free(xd), free(sx);
+    release(&xs);
     return 0;
 }
 
@@ -277,13 +295,10 @@ int miserver_int8_product(const float *x, const int8_t *q, const float *d, const
     /* as miserver_int4_product, for an 8-bit matrix */
     if (in % GROUP) return 2;
     const int64_t groups = in / GROUP, tiles = (out + TILE - 1) / TILE;
-    int8_t *xq = malloc((size_t)(rows * in));
-    float *xd = malloc((size_t)(rows * groups) * sizeof(float)), *sx = malloc((size_t)(rows * groups) * sizeof(float));
-    if (xq == NULL || xd == NULL || sx == NULL) {
-        free(xq), free(xd), free(sx);
-        return 1;
-    }
-    quantize_inputs(x, xq, xd, sx, rows * groups);
+    Inputs xs;
+    if (inputs(x, rows, in, &xs)) return 1;
+    const int8_t *xq = xs.q;
+    const float *xd = xs.d;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int8_t *qt = q + t * groups * (TILE * GROUP);
@@ -299,6 +314,6 @@ int miserver_int8_product(const float *x, const int8_t *q, const float *d, const
         default: break;
         }
     }
-    free(xq), free(xd), free(sx);
+    release(&xs);
     return 0;
 }
