@@ -51,27 +51,39 @@
 #define MADD 1
 #endif
 
-static void quantize_inputs(const float *x, int8_t *xq, float *xd, float *sx, const int64_t count) {
+static void quantize_inputs(const float *x, int8_t *xq, float *xd, float *sx, const int64_t count, const int threads) {
     /* x's groups (count of them, GROUP floats each) to int8: xq, the scales xd and sx = dx * the sum of x8. A group
        holding a NaN or an infinity gets x8 = 0 and a scale that is not finite, so its products are NaN, as float32's
-       would be; x8 is clamped to -127 .. 127 (a group of tiny subnormals can round past it) */
+       would be; x8 is clamped to -127 .. 127 (a group of tiny subnormals can round past it). Groups are spread over
+       the threads once there are enough of them to pay for it (a prefill's); each loop below vectorizes */
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= 1024)
     for (int64_t c = 0; c < count; c++) {
         const float *xg = x + c * GROUP;
+        int8_t *q = xq + c * GROUP;
         float top = 0.0f;
+        int nan = 0;
         for (int i = 0; i < GROUP; i++) {
             const float a = fabsf(xg[i]);
-            top = (a > top || a != a) && top == top ? a : top; /* a NaN, once seen, stays */
+            top = a > top ? a : top;
+            nan |= xg[i] != xg[i];
         }
         const float scale = top / 127.0f;
-        const int usable = scale > 0.0f && scale <= FLT_MAX;
+        if (nan || !(scale > 0.0f && scale <= FLT_MAX)) { /* NaN, infinite or all zero */
+            memset(q, 0, GROUP);
+            xd[c] = nan ? NAN : scale;
+            sx[c] = xd[c] * 0.0f;
+            continue;
+        }
         int32_t total = 0;
         for (int i = 0; i < GROUP; i++) {
-            const float v = usable ? fminf(fmaxf(rintf(xg[i] / scale), -127.0f), 127.0f) : 0.0f;
-            xq[c * GROUP + i] = (int8_t)v;
+            float v = rintf(xg[i] / scale);
+            v = v > 127.0f ? 127.0f : v;
+            v = v < -127.0f ? -127.0f : v;
+            q[i] = (int8_t)v;
             total += (int32_t)v;
         }
-        xd[c] = top != top ? top : scale;
-        sx[c] = xd[c] * (float)total;
+        xd[c] = scale;
+        sx[c] = scale * (float)total;
     }
 }
 
@@ -80,7 +92,7 @@ typedef struct {
     float *d, *s; /* [rows, groups], dx and sx */
 } Inputs;
 
-static int inputs(const float *x, const int64_t rows, const int64_t in, Inputs *xs) {
+static int inputs(const float *x, const int64_t rows, const int64_t in, const int threads, Inputs *xs) {
     /* x [rows, in] quantized into scratch (release() frees it); 1 when memory could not be had (nothing held) */
     const int64_t groups = in / GROUP;
     xs->q = malloc((size_t)(rows * in));
@@ -90,7 +102,7 @@ static int inputs(const float *x, const int64_t rows, const int64_t in, Inputs *
         free(xs->q), free(xs->d), free(xs->s);
         return 1;
     }
-    quantize_inputs(x, xs->q, xs->d, xs->s, rows * groups);
+    quantize_inputs(x, xs->q, xs->d, xs->s, rows * groups, threads);
     return 0;
 }
 
@@ -192,7 +204,7 @@ int miserver_int4_product(const float *x, const uint8_t *q, const float *d, cons
     if (in % GROUP) return 2;
     const int64_t groups = in / GROUP, tiles = (out + TILE - 1) / TILE;
     Inputs xs;
-    if (inputs(x, rows, in, &xs)) return 1;
+    if (inputs(x, rows, in, threads, &xs)) return 1;
     const int8_t *xq = xs.q;
     const float *xd = xs.d, *sx = xs.s;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -296,7 +308,7 @@ int miserver_int8_product(const float *x, const int8_t *q, const float *d, const
     if (in % GROUP) return 2;
     const int64_t groups = in / GROUP, tiles = (out + TILE - 1) / TILE;
     Inputs xs;
-    if (inputs(x, rows, in, &xs)) return 1;
+    if (inputs(x, rows, in, threads, &xs)) return 1;
     const int8_t *xq = xs.q;
     const float *xd = xs.d;
 #pragma omp parallel for num_threads(threads) schedule(static)
