@@ -198,34 +198,6 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
 #endif
 }
 
-int miserver_int4_product(const float *x, const uint8_t *q, const float *d, const float *m, float *y, int64_t rows,
-                          int64_t in, int64_t out, int threads) {
-    /* 0 on success; 1 when scratch memory could not be had; 2 when in is not a multiple of GROUP (y untouched) */
-    if (in % GROUP) return 2;
-    const int64_t groups = in / GROUP, tiles = (out + TILE - 1) / TILE;
-    Inputs xs;
-    if (inputs(x, rows, in, threads, &xs)) return 1;
-    const int8_t *xq = xs.q;
-    const float *xd = xs.d, *sx = xs.s;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *qt = q + t * groups * (TILE * GROUP / 2);
-        const float *dt = d + t * groups * TILE, *mt = m + t * groups * TILE;
-        int64_t r = 0;
-        for (; r + ROW_BLOCK4 <= rows; r += ROW_BLOCK4)
-            tile_rows(xq + r * in, xd + r * groups, sx + r * groups, qt, dt, mt, y + r * out, ROW_BLOCK4, groups,
-                      out, t * TILE);
-        switch (rows - r) {
-        case 1: tile_rows(xq + r * in, xd + r * groups, sx + r * groups, qt, dt, mt, y + r * out, 1, groups, out, t * TILE); break;
-        case 2: tile_rows(xq + r * in, xd + r * groups, sx + r * groups, qt, dt, mt, y + r * out, 2, groups, out, t * TILE); break;
-        case 3: tile_rows(xq + r * in, xd + r * groups, sx + r * groups, qt, dt, mt, y + r * out, 3, groups, out, t * TILE); break;
-        default: break;
-        }
-    }
-    release(&xs);
-    return 0;
-}
-
 static inline __attribute__((always_inline)) void tile_rows8(const int8_t *xq, const float *xd, const int8_t *q,
                                                             const float *d, const int32_t *c, float *y, const int n,
                                                             const int64_t groups, const int64_t out,
@@ -302,30 +274,52 @@ static inline __attribute__((always_inline)) void tile_rows8(const int8_t *xq, c
 #endif
 }
 
-int miserver_int8_product(const float *x, const int8_t *q, const float *d, const int32_t *c, float *y, int64_t rows,
-                          int64_t in, int64_t out, int threads) {
-    /* as miserver_int4_product, for an 8-bit matrix */
+static inline __attribute__((always_inline)) void tile_block(const Inputs *xs, const int64_t r, const void *q,
+                                                            const float *d, const void *extra, float *y, const int n,
+                                                            const int64_t groups, const int64_t out, const int64_t t,
+                                                            const int four) {
+    /* rows r .. r + n - 1 of tile t: tile_rows (4-bit, extra the minimums) or tile_rows8 (8-bit, extra c) */
+    const int64_t in = groups * GROUP, at = t * groups * TILE;
+    if (four)
+        tile_rows(xs->q + r * in, xs->d + r * groups, xs->s + r * groups, (const uint8_t *)q + at * GROUP / 2, d + at,
+                  (const float *)extra + at, y + r * out, n, groups, out, t * TILE);
+    else
+        tile_rows8(xs->q + r * in, xs->d + r * groups, (const int8_t *)q + at * GROUP, d + at,
+                   (const int32_t *)extra + at, y + r * out, n, groups, out, t * TILE);
+}
+
+static int product(const float *x, const void *q, const float *d, const void *extra, float *y, const int64_t rows,
+                   const int64_t in, const int64_t out, const int threads, const int four) {
+    /* 0 on success; 1 when scratch memory could not be had; 2 when in is not a multiple of GROUP (y untouched) */
     if (in % GROUP) return 2;
     const int64_t groups = in / GROUP, tiles = (out + TILE - 1) / TILE;
     Inputs xs;
     if (inputs(x, rows, in, threads, &xs)) return 1;
-    const int8_t *xq = xs.q;
-    const float *xd = xs.d;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const int8_t *qt = q + t * groups * (TILE * GROUP);
-        const float *dt = d + t * groups * TILE;
-        const int32_t *ct = c + t * groups * TILE;
         int64_t r = 0;
         for (; r + ROW_BLOCK4 <= rows; r += ROW_BLOCK4)
-            tile_rows8(xq + r * in, xd + r * groups, qt, dt, ct, y + r * out, ROW_BLOCK4, groups, out, t * TILE);
-        switch (rows - r) {
-        case 1: tile_rows8(xq + r * in, xd + r * groups, qt, dt, ct, y + r * out, 1, groups, out, t * TILE); break;
-        case 2: tile_rows8(xq + r * in, xd + r * groups, qt, dt, ct, y + r * out, 2, groups, out, t * TILE); break;
-        case 3: tile_rows8(xq + r * in, xd + r * groups, qt, dt, ct, y + r * out, 3, groups, out, t * TILE); break;
+            tile_block(&xs, r, q, d, extra, y, ROW_BLOCK4, groups, out, t, four);
+        switch (rows - r) { /* the row count a constant in each call, so the accumulators stay in registers */
+        case 1: tile_block(&xs, r, q, d, extra, y, 1, groups, out, t, four); break;
+        case 2: tile_block(&xs, r, q, d, extra, y, 2, groups, out, t, four); break;
+        case 3: tile_block(&xs, r, q, d, extra, y, 3, groups, out, t, four); break;
         default: break;
         }
     }
     release(&xs);
     return 0;
+}
+
+int miserver_int4_product(const float *x, const uint8_t *q, const float *d, const float *m, float *y, int64_t rows,
+                          int64_t in, int64_t out, int threads) {
+    /* the 4-bit product (see the top): 0 on success; 1 when scratch memory could not be had; 2 when in is not a
+       multiple of GROUP (y untouched) */
+    return product(x, q, d, m, y, rows, in, out, threads, 1);
+}
+
+int miserver_int8_product(const float *x, const int8_t *q, const float *d, const int32_t *c, float *y, int64_t rows,
+                          int64_t in, int64_t out, int threads) {
+    /* the 8-bit product, as miserver_int4_product */
+    return product(x, q, d, c, y, rows, in, out, threads, 0);
 }
