@@ -5,8 +5,8 @@ One step's products: 30 distinct layers of the fused query-key-value (960 x 576)
 gate-up (3072 x 576) and down (576 x 1536) matrices, random weights quantized as GGUF's Q4_1, and the 49152 x 576
 output head as Q8_0 (the embedded model's own formats). Per row count, the two run one step's products in turn, the
 order reversed every other repetition (ABBA), on torch's threads; the median milliseconds of each and their ratio are
-printed with the load average. The agreement of the two is printed too (the 4-bit product rounds its inputs to 8
-bits a group).
+printed with the load average. The agreement of the two is printed too (the quantized products round their inputs
+to 8 bits a group).
 
     .venv/bin/python bench/quantized_products.py
     .venv/bin/python bench/quantized_products.py --rows 1,4,16 --repeats 8
