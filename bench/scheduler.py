@@ -181,11 +181,80 @@ def prefill_heavy(client: Any) -> dict[str, Any]:
     return out
 
 
+def part_chats(client: Any) -> dict[str, Any]:
+    """Part 1: the 8 chats one after another, then 8 and 16 at once."""
+    each = [chat(client, i, 32) for i in range(8)]  # the same 8 chats, one after another
+    alone, serial = statistics.median(each), sum(each)
+    wall8, slow8 = at_once(client, 8)
+    wall16, slow16 = at_once(client, 16)
+    out = {
+        "alone_median_s": round(alone, 3),
+        "one_after_another_s": round(serial, 3),
+        "eight": {
+            "wall_s": round(wall8, 3),
+            "slowest_s": round(slow8, 3),
+            "x_alone": round(wall8 / alone, 2),
+            "x_one_after_another": round(wall8 / serial, 2),
+        },
+        "sixteen": {"wall_s": round(wall16, 3), "slowest_s": round(slow16, 3)},
+        "load": load(),
+    }
+    print(
+        f"the 8 chats one after another: median {alone:.2f} s, {serial:.2f} s in all; 8 at once wall "
+        f"{wall8:.2f} s (slowest {slow8:.2f}, {wall8 / alone:.2f}x the median alone, {wall8 / serial:.2f}x one "
+        f"after another); 16 at once wall {wall16:.2f} s (slowest {slow16:.2f}); load {load()}"
+    )
+    return out
+
+
+def part_batch(client: Any, rows: int, chats: int, rng: random.Random) -> dict[str, Any]:
+    """Part 2: the packed batch alone and with chats, between idle chats."""
+    data = batch_lines(rows)
+    idle_a = [chat(client, i, 8) for i in range(12)]
+    plain_s, _ = run_batch(client, data, 0, rng)
+    mixed_s, busy = run_batch(client, data, chats, rng)
+    idle_b = [chat(client, i, 8) for i in range(12)]
+    idle = idle_a + idle_b
+    out = {
+        "rows": rows,
+        "chats": chats,
+        "rows_s_alone": round(rows / plain_s, 3),
+        "rows_s_with_chats": round(rows / mixed_s, 3),
+        "rows_s_ratio": round(plain_s / mixed_s, 3),
+        "idle_p50_s": round(statistics.median(idle), 3),
+        "idle_p95_s": round(percentile(idle, 0.95), 3),
+        "busy_p50_s": round(statistics.median(busy), 3),
+        "busy_p95_s": round(percentile(busy, 0.95), 3),
+        "p95_ratio": round(percentile(busy, 0.95) / percentile(idle, 0.95), 2),
+        "load": load(),
+    }
+    b = out
+    print(
+        f"packed {rows}-row batch: {b['rows_s_alone']} rows/s alone, {b['rows_s_with_chats']} with {chats} "
+        "chats "
+        f"(x{b['rows_s_ratio']}); chats p50/p95 idle {b['idle_p50_s']}/{b['idle_p95_s']} s, during the batch "
+        f"{b['busy_p50_s']}/{b['busy_p95_s']} s (p95 x{b['p95_ratio']}); load {load()}"
+    )
+    return out
+
+
+def part_hang_up(server: ServerProcess, client: Any) -> dict[str, Any]:
+    """Part 3: a 1-token chat right after a dropped 300-token chat, against idle."""
+    idle_one = statistics.median(chat(client, i, 1) for i in range(3))
+    hang_up(server, 300)
+    after = chat(client, 0, 1)
+    out = {"idle_1_token_s": round(idle_one, 3), "after_s": round(after, 3), "load": load()}
+    print(f"1-token chat idle {idle_one:.3f} s; right after a dropped 300-token chat {after:.3f} s; load {load()}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=32, help="rows of the packed generation batch")
     parser.add_argument("--chats", type=int, default=12, help="short chats sent while it runs")
+    parser.add_argument("--parts", default="1,2,3,4", help="the parts to run, comma-separated (the module's numbering)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     rows, chats = args.rows, args.chats
     rng = random.Random(7)
     report: dict[str, Any] = {"date": datetime.date.today().isoformat()}
@@ -196,66 +265,19 @@ def main() -> None:
             client = server.client(timeout=600)
             for i in range(2):
                 chat(client, i, 32)  # warm up
-            each = [chat(client, i, 32) for i in range(8)]  # the same 8 chats, one after another
-            alone, serial = statistics.median(each), sum(each)
-            wall8, slow8 = at_once(client, 8)
-            wall16, slow16 = at_once(client, 16)
-            report["chats"] = {
-                "alone_median_s": round(alone, 3),
-                "one_after_another_s": round(serial, 3),
-                "eight": {
-                    "wall_s": round(wall8, 3),
-                    "slowest_s": round(slow8, 3),
-                    "x_alone": round(wall8 / alone, 2),
-                    "x_one_after_another": round(wall8 / serial, 2),
-                },
-                "sixteen": {"wall_s": round(wall16, 3), "slowest_s": round(slow16, 3)},
-                "load": load(),
-            }
-            print(
-                f"the 8 chats one after another: median {alone:.2f} s, {serial:.2f} s in all; 8 at once wall "
-                f"{wall8:.2f} s (slowest {slow8:.2f}, {wall8 / alone:.2f}x the median alone, {wall8 / serial:.2f}x one "
-                f"after another); 16 at once wall {wall16:.2f} s (slowest {slow16:.2f}); load {load()}"
-            )
-            data = batch_lines(rows)
-            idle_a = [chat(client, i, 8) for i in range(12)]
-            plain_s, _ = run_batch(client, data, 0, rng)
-            mixed_s, busy = run_batch(client, data, chats, rng)
-            idle_b = [chat(client, i, 8) for i in range(12)]
-            idle = idle_a + idle_b
-            report["packed_batch"] = {
-                "rows": rows,
-                "chats": chats,
-                "rows_s_alone": round(rows / plain_s, 3),
-                "rows_s_with_chats": round(rows / mixed_s, 3),
-                "rows_s_ratio": round(plain_s / mixed_s, 3),
-                "idle_p50_s": round(statistics.median(idle), 3),
-                "idle_p95_s": round(percentile(idle, 0.95), 3),
-                "busy_p50_s": round(statistics.median(busy), 3),
-                "busy_p95_s": round(percentile(busy, 0.95), 3),
-                "p95_ratio": round(percentile(busy, 0.95) / percentile(idle, 0.95), 2),
-                "load": load(),
-            }
-            b = report["packed_batch"]
-            print(
-                f"packed {rows}-row batch: {b['rows_s_alone']} rows/s alone, {b['rows_s_with_chats']} with {chats} "
-                "chats "
-                f"(x{b['rows_s_ratio']}); chats p50/p95 idle {b['idle_p50_s']}/{b['idle_p95_s']} s, during the batch "
-                f"{b['busy_p50_s']}/{b['busy_p95_s']} s (p95 x{b['p95_ratio']}); load {load()}"
-            )
-            idle_one = statistics.median(chat(client, i, 1) for i in range(3))
-            hang_up(server, 300)
-            after = chat(client, 0, 1)
-            report["hang_up"] = {"idle_1_token_s": round(idle_one, 3), "after_s": round(after, 3), "load": load()}
-            print(
-                f"1-token chat idle {idle_one:.3f} s; right after a dropped 300-token chat {after:.3f} s; load {load()}"
-            )
-            report["prefill_heavy"] = heavy = prefill_heavy(client)
-            print(
-                f"64-token chat idle {heavy['idle_s']} s; 4 s into the demo's batch: unpacked "
-                f"{heavy['unpacked']['during_s']} s (x{heavy['unpacked']['x_idle']}), packed "
-                f"{heavy['packed']['during_s']} s (x{heavy['packed']['x_idle']}); load {heavy['load']}"
-            )
+            if "1" in parts:
+                report["chats"] = part_chats(client)
+            if "2" in parts:
+                report["packed_batch"] = part_batch(client, rows, chats, rng)
+            if "3" in parts:
+                report["hang_up"] = part_hang_up(server, client)
+            if "4" in parts:
+                report["prefill_heavy"] = heavy = prefill_heavy(client)
+                print(
+                    f"64-token chat idle {heavy['idle_s']} s; 4 s into the demo's batch: unpacked "
+                    f"{heavy['unpacked']['during_s']} s (x{heavy['unpacked']['x_idle']}), packed "
+                    f"{heavy['packed']['during_s']} s (x{heavy['packed']['x_idle']}); load {heavy['load']}"
+                )
         finally:
             server.stop()
     out = ROOT / "bench" / "results" / "scheduler.json"

@@ -57,6 +57,7 @@ async def load_engine(settings: Settings) -> Engine:
         batch_slots=settings.batch_generate_slots,
         prefill_tokens=settings.batch_prefill_tokens,
         batch_hold_steps=settings.batch_hold_steps,
+        batch_rows_beside_interactive=settings.batch_rows_beside_interactive,
         threads=settings.torch_threads,
         decode=DecodeOptions(
             settings.decode,

@@ -203,9 +203,18 @@ class Settings(BaseSettings):
         validation_alias=_env("BATCH_HOLD_STEPS"),
         ge=0,
         description="while interactive requests run or wait on the resident model, no new batch row starts (its "
-        "prefill would land in their steps; the rows in flight keep decoding), except one every this many steps "
-        "when no batch row is in flight, so that a batch always progresses. 0: a row starts whenever none is in "
-        "flight",
+        "prefill would land in their steps) and only BATCH_ROWS_BESIDE_INTERACTIVE rows in flight decode, except "
+        "at the batch's turn, one step in every this many: then every batch row in flight decodes and, when none "
+        "is in flight, one starts, so that a batch always progresses. 0: every step is the batch's turn",
+    )
+    batch_rows_beside_interactive: int = Field(
+        0,
+        validation_alias=_env("BATCH_ROWS_BESIDE_INTERACTIVE"),
+        ge=0,
+        description="batch rows' sequences that keep decoding while interactive requests run on the resident model "
+        "(the earliest started). The others keep their slots and caches and sit those steps out, except at the "
+        "batch's turn (BATCH_HOLD_STEPS), so that an interactive step costs about what it costs alone. 0 suits a "
+        "CPU, where every row lengthens a step; on a GPU, where rows are almost free, up to BATCH_GENERATE_SLOTS",
     )
     batch_claim_ttl_seconds: float = Field(
         30.0,

@@ -272,3 +272,35 @@ async def test_an_invariant_sequence_decodes_in_a_pass_of_its_own(engine: LocalE
     assert 1 in passes and 2 in passes, "the invariant request in a pass of its own"
     assert packed == {0: True, 1: True, 2: False}
     assert results[2] == await engine.generate(requests[2]), "bit for bit the synchronous result"
+
+
+async def test_a_paused_sequence_keeps_its_slot_and_resumes_where_it_stopped(engine: LocalEngine) -> None:
+    """A request paused for some steps (the scheduler's interactive steps) decodes nothing in them, keeps its slot and
+    cache, and then ends with the tokens it would have had unpaused, as its neighbours do."""
+    slot_forward = isinstance(engine._steps.cache, SlotModel)
+    steps = StepBatch(
+        make_slots(engine.loaded.model, 64, DecodeOptions("slots" if slot_forward else "transformers")),
+        engine.loaded.tokenizer,
+        engine.loaded.model.device,
+        max_positions=64,
+    )
+    greedy = {"max_tokens": 8, "temperature": 0}
+    requests = [req(engine, PROMPTS[i], **greedy) for i in (0, 1, 3)]
+    results: dict[int, GenerationResult] = {}
+    generated: list[dict[int, int]] = []
+    with torch.inference_mode():
+        updates = steps.step([Start(i, r) for i, r in enumerate(requests)], [])
+        for number in range(1, 40):
+            for u in updates:
+                if isinstance(u.result, GenerationResult):
+                    results[u.ticket] = u.result
+            if len(results) == len(requests):
+                break
+            updates = steps.step([], [], paused={1} if number <= 3 else ())
+            generated.append({u.ticket: u.generated for u in updates})
+    assert all(1 not in g for g in generated[:3]), "nothing decoded for the paused request in its three steps"
+    assert all(g.get(0) == 1 for g in generated[:3]), "its neighbours decoded meanwhile"
+    for i, r in enumerate(requests):
+        alone = await engine.generate(r)
+        assert [s.token_ids for s in results[i].sequences] == [s.token_ids for s in alone.sequences]
+        assert results[i].completion_tokens == alone.completion_tokens

@@ -19,6 +19,8 @@ class FakeSteps:
 
     def __init__(self, hold_at: int | None = None) -> None:
         self.left: dict[int, int] = {}
+        #: the tickets each call paused
+        self.paused: list[list[int]] = []
         self.log: list[tuple[list[int], list[int]]] = []
         self.hold_at = hold_at
         self.held = asyncio.Event()
@@ -28,18 +30,21 @@ class FakeSteps:
         """Wait until the held call has started (raises ``TimeoutError`` after 10 s)."""
         await asyncio.wait_for(self.held.wait(), 10)
 
-    async def __call__(self, starts: list[Start], drops: list[int]) -> list[Update]:
+    async def __call__(self, starts: list[Start], drops: list[int], paused: list[int]) -> list[Update]:
         await asyncio.sleep(0)  # a step hands the event loop over, as the engine thread's job does
         if len(self.log) == self.hold_at:
             self.held.set()
             await self.go.wait()
         self.log.append(([s.ticket for s in starts], list(drops)))
+        self.paused.append(list(paused))
         for d in drops:
             self.left.pop(d, None)
         for s in starts:
             self.left[s.ticket] = s.request.params.max_tokens
         updates = []
         for ticket in list(self.left):
+            if ticket in paused:
+                continue
             self.left[ticket] -= 1
             if self.left[ticket] == 0:
                 del self.left[ticket]
@@ -65,7 +70,7 @@ async def test_an_interactive_request_starts_at_the_next_step_while_every_batch_
     assert not any(b.withdrawn for b in batch), "no batch sequence left to make room"
     for b in batch:
         await b.outcome()
-    assert batch[2].admitted_at == 10, "the third batch row waits for a batch slot, not for the chat"
+    assert batch[2].admitted_at == 12, "the third batch row waits for a batch slot (the two sat out the chat's steps)"
 
 
 async def test_batch_sequences_take_turns_by_fairness_key() -> None:
@@ -149,4 +154,43 @@ async def test_a_batch_held_back_by_long_interactive_work_starts_one_row_each_ho
     for t in [chat, *rows]:
         await t.outcome()
     assert chat.admitted_at == 0
-    assert [t.admitted_at for t in rows] == [10, 20, 30, 40], "one row every 10 steps beside the chat, then the rest"
+    assert [t.admitted_at for t in rows] == [10, 30, 40, 40], "a row starts at the batch's turn (every 10 steps)"
+    assert steps.paused[11:20] == [[rows[0].number]] * 9 and steps.paused[20] == [], "and decodes at its turns"
+
+
+async def test_while_an_interactive_request_runs_only_the_earliest_batch_rows_decode() -> None:
+    """The batch rows in flight beyond ``interactive_batch_rows`` sit out the interactive request's steps (none leaves
+    or starts over), and all decode again at the step after it."""
+    steps = FakeSteps(hold_at=2)
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4, interactive_batch_rows=2)
+    rows = [s.submit(request(10)) for _ in range(3)]
+    await steps.holding()  # two steps done, the third on the engine thread
+    chat = s.submit(request(3, Priority.INTERACTIVE))
+    steps.go.set()
+    await chat.outcome()
+    for t in rows:
+        await t.outcome()
+    assert chat.admitted_at == 3
+    assert steps.paused[:3] == [[], [], []], "no interactive request yet: every row decodes"
+    assert steps.paused[3:6] == [[rows[2].number]] * 3, "the chat's three steps: the third row waits"
+    assert steps.paused[6:] == [[]] * (len(steps.paused) - 6), "then every row decodes again"
+    assert not any(t.withdrawn for t in rows), "no row left to make room"
+    assert len(steps.log) == 13, "rows 1 and 2 end at step 9, row 3 three steps later"
+
+
+async def test_a_batch_always_progresses_beside_interactive_work() -> None:
+    """With no batch row decoding beside interactive requests (the default), the batch rows in flight still decode at
+    the batch's turn, one step in every ``batch_hold_steps``, however long the interactive work."""
+    steps = FakeSteps(hold_at=1)
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4, batch_hold_steps=3)
+    rows = [s.submit(request(4)) for _ in range(2)]
+    await steps.holding()  # both rows in flight, the second step on the engine thread
+    chat = s.submit(request(30, Priority.INTERACTIVE))
+    steps.go.set()
+    for t in rows:
+        await t.outcome()
+    assert not chat.done.is_set(), "both rows ended while the chat ran"
+    both = sorted(t.number for t in rows)
+    assert [sorted(p) for p in steps.paused[2:9]] == [both, both, both, [], both, both, []]
+    assert len(steps.log) == 9, "rows of 4 tokens: steps 0, 1, 5 and 8"
+    await chat.outcome()

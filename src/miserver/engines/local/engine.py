@@ -50,6 +50,9 @@ DEFAULT_BATCH_SLOTS = 16
 DEFAULT_PREFILL_TOKENS = 256
 #: Steps of interactive work between two batch rows started beside it (the default of ``BATCH_HOLD_STEPS``).
 DEFAULT_BATCH_HOLD_STEPS = 64
+#: Batch sequences that keep decoding while interactive requests run (the default of
+#: ``BATCH_ROWS_BESIDE_INTERACTIVE``).
+DEFAULT_BATCH_ROWS_BESIDE_INTERACTIVE = 0
 
 
 class LocalEngine:
@@ -60,7 +63,8 @@ class LocalEngine:
     that moment (tests use both to prove work is not run twice). ``max_sequences`` caps the sequences in flight,
     ``batch_slots`` those of batch requests (interactive ones join above them, up to ``max_sequences``);
     ``prefill_tokens`` bounds the batch prompt tokens prefilled in one step, ``batch_hold_steps`` the steps of
-    interactive work a waiting batch row is held back for (see ``scheduler.StepScheduler``).
+    interactive work a waiting batch row is held back for, ``batch_rows_beside_interactive`` the batch sequences in
+    flight that keep decoding while interactive requests run (see ``scheduler.StepScheduler``).
     ``decode`` picks the decode step (``slots.make_slots``): the static-cache Llama forward where the model allows
     it (the default), or transformers' own forward and cache.
     """
@@ -75,6 +79,7 @@ class LocalEngine:
         batch_slots: int = DEFAULT_BATCH_SLOTS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         batch_hold_steps: int = DEFAULT_BATCH_HOLD_STEPS,
+        batch_rows_beside_interactive: int = DEFAULT_BATCH_ROWS_BESIDE_INTERACTIVE,
         decode: DecodeOptions = DEFAULT_DECODE,
     ) -> None:
         self._loaded: LoadedModel | None = loaded
@@ -115,6 +120,7 @@ class LocalEngine:
             batch_slots=batch_slots,
             prefill_tokens=prefill_tokens,
             batch_hold_steps=batch_hold_steps,
+            interactive_batch_rows=batch_rows_beside_interactive,
             on_start=self._count,
             on_generated=self._generated,
         )
@@ -131,6 +137,7 @@ class LocalEngine:
         batch_slots: int = DEFAULT_BATCH_SLOTS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         batch_hold_steps: int = DEFAULT_BATCH_HOLD_STEPS,
+        batch_rows_beside_interactive: int = DEFAULT_BATCH_ROWS_BESIDE_INTERACTIVE,
         decode: DecodeOptions = DEFAULT_DECODE,
         threads: int | None = None,
     ) -> LocalEngine:
@@ -158,6 +165,7 @@ class LocalEngine:
             batch_slots=batch_slots,
             prefill_tokens=prefill_tokens,
             batch_hold_steps=batch_hold_steps,
+            batch_rows_beside_interactive=batch_rows_beside_interactive,
             decode=decode,
         )
 
@@ -389,14 +397,14 @@ class LocalEngine:
     def _generated(self, tokens: int) -> None:
         self.generated_tokens += tokens
 
-    async def _run_step(self, starts: list[Start], drops: list[int]) -> list[Update]:
+    async def _run_step(self, starts: list[Start], drops: list[int], paused: list[int]) -> list[Update]:
         """One step of the step loop on the engine thread (a failed step drops everything in flight)."""
         batch = self._steps
 
         def run() -> list[Update]:
             with torch.inference_mode():
                 try:
-                    return batch.step(starts, drops)
+                    return batch.step(starts, drops, paused)
                 except BaseException:
                     batch.reset()
                     raise

@@ -10,14 +10,15 @@ while anything waits or runs:
    then batch tickets, round robin over their fairness keys, while the batch class holds at most ``batch_slots``
    sequences and their prompts stay within ``prefill_tokens`` a step (the first batch ticket of a step is never held
    back by it). An interactive ticket therefore starts at the next step even when every batch slot is busy, and no
-   batch sequence is ever stopped to make room for it. A prefill runs inside its step, so it delays every sequence
-   of that step: while interactive sequences are in flight or waiting, no batch ticket starts (the batch sequences
-   in flight keep decoding beside the interactive ones) until ``batch_hold_steps`` steps have passed since the batch
-   was first held back or last started a ticket; then one starts, when no batch sequence is in flight, so the batch
-   always progresses;
+   batch sequence is ever stopped to make room for it. While interactive tickets are in flight or waiting, the batch
+   is held back: no batch ticket starts (a prefill runs inside its step and would delay every sequence of it), and
+   only the earliest ``interactive_batch_rows`` batch sequences in flight decode (0 by default: on a CPU every row
+   lengthens the step); the others sit the step out, keeping their slots and caches. Every ``batch_hold_steps``
+   steps comes the batch's turn: every batch sequence in flight decodes and, when none is in flight, one batch
+   ticket starts, so that a batch always progresses;
 3. **step**: one :meth:`~miserver.engines.local.steps.StepBatch.step` on the engine thread (prefill of the admitted,
-   one decode token for the rest); other engine work (scoring and pooling packs, weight edits) queues on the same
-   thread between two steps;
+   one decode token for the others but those sitting out); other engine work (scoring and pooling packs, weight
+   edits) queues on the same thread between two steps;
 4. **retire**: deltas go to their tickets (streams see them at once); a finished ticket gets its result.
 
 The scheduler sees a priority class, a fairness key and the batch-invariant switch on each request, never a batch.
@@ -38,8 +39,8 @@ from miserver.scheduling.admission import Priority
 
 log = logging.getLogger("miserver.engine")
 
-#: Runs one step on the engine thread: (starts, drops) -> updates; raises what the step raised.
-StepRunner = Callable[[list[Start], list[int]], Awaitable[list[Update]]]
+#: Runs one step on the engine thread: (starts, drops, paused) -> updates; raises what the step raised.
+StepRunner = Callable[[list[Start], list[int], list[int]], Awaitable[list[Update]]]
 
 
 @dataclass
@@ -114,6 +115,7 @@ class StepScheduler:
         batch_slots: int,
         prefill_tokens: int = 256,
         batch_hold_steps: int = 64,
+        interactive_batch_rows: int = 0,
         on_start: Callable[[GenerationRequest], None] | None = None,
         on_generated: Callable[[int], None] | None = None,
     ) -> None:
@@ -123,10 +125,15 @@ class StepScheduler:
             raise ValueError("prefill_tokens must be positive")
         if batch_hold_steps < 0:
             raise ValueError("batch_hold_steps must not be negative")
+        if interactive_batch_rows < 0:
+            raise ValueError("interactive_batch_rows must not be negative")
+        self.interactive_batch_rows = interactive_batch_rows
         self.prefill_tokens = prefill_tokens
         self.batch_hold_steps = batch_hold_steps
         #: the step since which interactive work has held batch tickets back (None: not held)
         self._held_since: int | None = None
+        #: whether this step is the batch's turn beside interactive work (see ``_admit``)
+        self._turn = False
         self.run_step = run_step
         self.max_sequences = max_sequences
         self.batch_slots = min(batch_slots, max_sequences)
@@ -180,10 +187,13 @@ class StepScheduler:
             starts = self._admit()
             if not starts and not self._active:
                 if drops:
-                    await self.run_step([], drops)
+                    await self.run_step([], drops, [])
                 continue
+            paused = self._paused()
             try:
-                updates = await self.run_step([Start(t.number, t.request, t.request.invariant) for t in starts], drops)
+                updates = await self.run_step(
+                    [Start(t.number, t.request, t.request.invariant) for t in starts], drops, paused
+                )
             except BaseException as exc:
                 self._fail(exc, [t.number for t in starts])
                 if not isinstance(exc, Exception):
@@ -209,8 +219,8 @@ class StepScheduler:
     def _admit(self) -> list[Ticket]:
         """Interactive first within ``max_sequences``; then batch round robin over fairness keys within
         ``batch_slots`` and ``prefill_tokens`` (a request wider than the free room starts only when its class has
-        nothing in flight); while interactive work runs or waits, none for ``batch_hold_steps`` steps, then one when
-        no batch sequence is in flight."""
+        nothing in flight); while interactive work runs or waits, none but at the batch's turn (every
+        ``batch_hold_steps`` steps, which sets ``_turn``), and then one when no batch sequence is in flight."""
         used = self.in_flight
         batch_used = sum(t.request.n for t in self._active.values() if t.priority != Priority.INTERACTIVE)
         prefill = 0  # batch prompt tokens admitted at this step
@@ -225,11 +235,14 @@ class StepScheduler:
             self._take(t, starts)
             used += n
         interactive = used > batch_used or bool(self._interactive)  # in flight (or starting), or still waiting
-        if not (interactive and self._batch):
+        if not (interactive and (self._batch or batch_used)):
             self._held_since = None
         elif self._held_since is None:
             self._held_since = self.steps
-        if self._held_since is not None and self.steps - self._held_since < self.batch_hold_steps:
+        self._turn = self._held_since is not None and self.steps - self._held_since >= self.batch_hold_steps
+        if self._turn:
+            self._held_since = self.steps  # the next turn comes batch_hold_steps steps later
+        elif self._held_since is not None:
             return starts
         progressed = True
         while progressed and self._batch:  # one ticket per key per pass: round robin over the fairness keys
@@ -256,9 +269,23 @@ class StepScheduler:
                 batch_used += n
                 prefill += tokens
                 progressed = True
-                if interactive:
-                    self._held_since = self.steps  # the next one waits its turn again
         return starts
+
+    def _paused(self) -> list[int]:
+        """The batch tickets in flight that sit this step out: while an interactive ticket is in flight (or starts at
+        this step), all but the earliest admitted ones, ``interactive_batch_rows`` sequences of them, except at the
+        batch's turn (see :meth:`_admit`), when every one decodes. They keep their slots and caches."""
+        if self._turn or all(t.priority != Priority.INTERACTIVE for t in self._active.values()):
+            return []
+        paused, decoding = [], 0
+        for number, t in self._active.items():  # in admission order
+            if t.priority == Priority.INTERACTIVE:
+                continue
+            if decoding + t.request.n > self.interactive_batch_rows:
+                paused.append(number)
+            else:
+                decoding += t.request.n
+        return paused
 
     def _take(self, t: Ticket, starts: list[Ticket]) -> None:
         """``t`` starts at this step."""

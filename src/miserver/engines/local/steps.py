@@ -182,8 +182,9 @@ class StepBatch:
         """The requests in flight (started, not finished)."""
         return list(self._all)
 
-    def step(self, starts: Sequence[Start], drops: Sequence[int]) -> list[Update]:
-        """Drop the requests ``drops``, start ``starts``, run one decode step; an :class:`Update` per request touched.
+    def step(self, starts: Sequence[Start], drops: Sequence[int], paused: Collection[int] = ()) -> list[Update]:
+        """Drop the requests ``drops``, start ``starts``, run one decode step of every sequence in flight but those of
+        the requests ``paused`` (they keep their slots and caches); an :class:`Update` per request touched.
 
         Raises ``ValueError`` when the starts need more slots than ``capacity`` (the scheduler's contract)."""
         for ticket in drops:
@@ -196,7 +197,7 @@ class StepBatch:
         for a, logits in zip(admitted, self._prefill(admitted, updates), strict=True):
             if logits is not None:
                 self._begin(a, logits)
-        going = [s for s in self.seqs if not s.done]
+        going = [s for s in self.seqs if not s.done and s.ticket not in paused]
         if going:
             self._decode(going)
         for seq in self.seqs:
