@@ -136,12 +136,12 @@ async def test_a_finished_row_frees_its_slot_for_the_next(engine: LocalEngine, m
     real = engine.scheduler.run_step
     first = engine.scheduler.steps
 
-    async def spy(starts: list[Start], drops: list[int]) -> list[Update]:
+    async def spy(starts: list[Start], drops: list[int], paused: list[int]) -> list[Update]:
         step = engine.scheduler.steps - first
         for s in starts:
             rows[s.ticket] = next(i for i, r in enumerate(requests) if r is s.request)
             started[rows[s.ticket]] = step
-        updates = await real(starts, drops)
+        updates = await real(starts, drops, paused)
         finished.update({rows[u.ticket]: step for u in updates if u.result is not None})
         return updates
 
@@ -304,3 +304,27 @@ async def test_a_paused_sequence_keeps_its_slot_and_resumes_where_it_stopped(eng
         alone = await engine.generate(r)
         assert [s.token_ids for s in results[i].sequences] == [s.token_ids for s in alone.sequences]
         assert results[i].completion_tokens == alone.completion_tokens
+
+
+async def test_warming_the_steps_leaves_no_trace(engine: LocalEngine) -> None:
+    """``StepBatch.warm`` runs a one-token prompt and forgets it: no slot stays taken, the next request is the
+    synchronous result, and it is refused while a request is in flight."""
+    slot_forward = isinstance(engine._steps.cache, SlotModel)
+    steps = StepBatch(
+        make_slots(engine.loaded.model, 64, DecodeOptions("slots" if slot_forward else "transformers")),
+        engine.loaded.tokenizer,
+        engine.loaded.model.device,
+        max_positions=64,
+    )
+    request = req(engine, PROMPTS[3], max_tokens=5, temperature=0)
+    with torch.inference_mode():
+        steps.warm(engine.pad_id)
+        steps.warm(engine.pad_id)
+        updates = steps.step([Start(0, request)], [])
+        with pytest.raises(ValueError, match="before any request"):
+            steps.warm(engine.pad_id)
+        while not any(u.result is not None for u in updates):
+            updates = steps.step([], [])
+    result = next(u.result for u in updates if u.result is not None)
+    assert result == await engine.generate(request)
+    assert steps.tickets() == [] and steps._next_slot == 1, "the warm-up's slot went to the request"

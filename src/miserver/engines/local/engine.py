@@ -141,7 +141,8 @@ class LocalEngine:
         decode: DecodeOptions = DEFAULT_DECODE,
         threads: int | None = None,
     ) -> LocalEngine:
-        """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine. The
+        """Resolve and load ``model`` on the engine thread (the loop stays free) and return the running engine, its
+        decode step's weight copies made (one step of a one-token prompt, so the first request does not wait). The
         engine thread's forward passes run on ``threads`` OpenMP threads (None: as many as torch used before the
         first engine of the process started); torch work on any other thread runs on one from then on (see
         :func:`thread.one_openmp_team`).
@@ -157,7 +158,7 @@ class LocalEngine:
             executor.shutdown(wait=False, cancel_futures=True)
             raise
         one_openmp_team(executor)
-        return cls(
+        engine = cls(
             loaded,
             source.served_id,
             executor,
@@ -168,6 +169,8 @@ class LocalEngine:
             batch_rows_beside_interactive=batch_rows_beside_interactive,
             decode=decode,
         )
+        await engine._warm()
+        return engine
 
     @classmethod
     def from_loaded(
@@ -396,6 +399,16 @@ class LocalEngine:
 
     def _generated(self, tokens: int) -> None:
         self.generated_tokens += tokens
+
+    async def _warm(self) -> None:
+        """One step of a one-token prompt on the engine thread before the first request (``StepBatch.warm``)."""
+        steps, token = self._steps, self.pad_id
+
+        def run() -> None:
+            with torch.inference_mode():
+                steps.warm(token)
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     async def _run_step(self, starts: list[Start], drops: list[int], paused: list[int]) -> list[Update]:
         """One step of the step loop on the engine thread (a failed step drops everything in flight)."""

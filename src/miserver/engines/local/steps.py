@@ -216,6 +216,20 @@ class StepBatch:
             u.packed = any(s.shared for s in seqs)
         return list(updates.values())
 
+    def warm(self, token: int) -> None:
+        """Run one prefill and one decode step of the prompt ``[token]`` in a free slot, then forget it: the cache
+        makes its weight copies now rather than at the first request (for the embedded model's quantized tiles, about
+        1.3 s on a 2-core CPU). Raises ``ValueError`` while sequences are in flight (their slots are taken)."""
+        if self._all:
+            raise ValueError("warm the steps before any request starts")
+        slot = self._take_slot()
+        try:
+            logits = self.cache.prefill(slot, torch.tensor([token], dtype=torch.long, device=self.device))
+            self.cache.decode([slot], [int(torch.argmax(logits))])
+        finally:
+            self.cache.release(slot)
+            self._free.append(slot)
+
     def reset(self) -> list[int]:
         """Drop everything in flight (after a failed step); the tickets dropped."""
         dropped = list(self._all)
