@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from miserver.engines.base import Generated, GeneratesMany, GenerationRequest, GenerationResult, SamplingParams
-from miserver.engines.local.decoding import DecodeOptions, make_slots
+from miserver.engines.local.decoding import DecodeOptions, DecodePath, make_slots
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import load_model, resolve_model_source
 from miserver.engines.local.slots import SlotModel
@@ -51,6 +51,17 @@ def req(engine: LocalEngine, text: str, n: int = 1, **params: object) -> Generat
 
 async def many(engine: LocalEngine, requests: list[GenerationRequest], slots: int = 4) -> list[Generated]:
     return [g async for g in engine.generate_many(requests, slots=slots)]
+
+
+def own_steps(engine: LocalEngine, positions: int) -> StepBatch:
+    """A step batch of its own over ``engine``'s model and kind of cache, ``positions`` tokens a slot."""
+    kind: DecodePath = "slots" if isinstance(engine._steps.cache, SlotModel) else "transformers"
+    return StepBatch(
+        make_slots(engine.loaded.model, positions, DecodeOptions(kind)),
+        engine.loaded.tokenizer,
+        engine.loaded.model.device,
+        max_positions=positions,
+    )
 
 
 def by_index(done: list[Generated]) -> dict[int, GenerationResult]:
@@ -180,16 +191,7 @@ async def test_prompts_starting_in_one_step_share_one_prefill(engine: LocalEngin
     """The prompts of requests that may share, admitted at one step, go through one ``prefill_many`` of the cache,
     a batch-invariant request's prompt alone; a prompt the context cannot hold is refused alone; every first token
     is the one the request gets alone."""
-    steps = StepBatch(
-        make_slots(
-            engine.loaded.model,
-            12,
-            DecodeOptions("slots" if isinstance(engine._steps.cache, SlotModel) else "transformers"),
-        ),
-        engine.loaded.tokenizer,
-        engine.loaded.model.device,
-        max_positions=12,
-    )
+    steps = own_steps(engine, 12)
     calls: list[tuple[str, int]] = []
     for name in ("prefill", "prefill_many"):
         real = getattr(steps.cache, name)
@@ -241,13 +243,7 @@ async def test_a_stop_ends_at_the_next_step_and_drops_the_rows_in_flight(engine:
 async def test_an_invariant_sequence_decodes_in_a_pass_of_its_own(engine: LocalEngine) -> None:
     """A batch-invariant request decodes in a forward pass of its own beside the others' shared pass, on every cache,
     and is the synchronous result bit for bit, reported as not shared."""
-    slot_forward = isinstance(engine._steps.cache, SlotModel)
-    steps = StepBatch(
-        make_slots(engine.loaded.model, 64, DecodeOptions("slots" if slot_forward else "transformers")),
-        engine.loaded.tokenizer,
-        engine.loaded.model.device,
-        max_positions=64,
-    )
+    steps = own_steps(engine, 64)
     passes: list[int] = []
     real = steps.cache.decode
 
@@ -277,13 +273,7 @@ async def test_an_invariant_sequence_decodes_in_a_pass_of_its_own(engine: LocalE
 async def test_a_paused_sequence_keeps_its_slot_and_resumes_where_it_stopped(engine: LocalEngine) -> None:
     """A request paused for some steps (the scheduler's interactive steps) decodes nothing in them, keeps its slot and
     cache, and then ends with the tokens it would have had unpaused, as its neighbours do."""
-    slot_forward = isinstance(engine._steps.cache, SlotModel)
-    steps = StepBatch(
-        make_slots(engine.loaded.model, 64, DecodeOptions("slots" if slot_forward else "transformers")),
-        engine.loaded.tokenizer,
-        engine.loaded.model.device,
-        max_positions=64,
-    )
+    steps = own_steps(engine, 64)
     greedy = {"max_tokens": 8, "temperature": 0}
     requests = [req(engine, PROMPTS[i], **greedy) for i in (0, 1, 3)]
     results: dict[int, GenerationResult] = {}
@@ -309,13 +299,7 @@ async def test_a_paused_sequence_keeps_its_slot_and_resumes_where_it_stopped(eng
 async def test_warming_the_steps_leaves_no_trace(engine: LocalEngine) -> None:
     """``StepBatch.warm`` runs a one-token prompt and forgets it: no slot stays taken, the next request is the
     synchronous result, and it is refused while a request is in flight."""
-    slot_forward = isinstance(engine._steps.cache, SlotModel)
-    steps = StepBatch(
-        make_slots(engine.loaded.model, 64, DecodeOptions("slots" if slot_forward else "transformers")),
-        engine.loaded.tokenizer,
-        engine.loaded.model.device,
-        max_positions=64,
-    )
+    steps = own_steps(engine, 64)
     request = req(engine, PROMPTS[3], max_tokens=5, temperature=0)
     with torch.inference_mode():
         steps.warm(engine.pad_id)
