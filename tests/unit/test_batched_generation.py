@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,12 +147,14 @@ async def test_a_finished_row_frees_its_slot_for_the_next(engine: LocalEngine, m
     real = engine.scheduler.run_step
     first = engine.scheduler.steps
 
-    async def spy(starts: list[Start], drops: list[int], paused: list[int]) -> list[Update]:
+    async def spy(
+        starts: list[Start], drops: list[int], paused: list[int], stop: Callable[[], bool] | None
+    ) -> list[Update]:
         step = engine.scheduler.steps - first
         for s in starts:
             rows[s.ticket] = next(i for i, r in enumerate(requests) if r is s.request)
             started[rows[s.ticket]] = step
-        updates = await real(starts, drops, paused)
+        updates = await real(starts, drops, paused, stop)
         finished.update({rows[u.ticket]: step for u in updates if u.result is not None})
         return updates
 
@@ -247,9 +249,9 @@ async def test_an_invariant_sequence_decodes_in_a_pass_of_its_own(engine: LocalE
     passes: list[int] = []
     real = steps.cache.decode
 
-    def counted(slots: Any, tokens: Any) -> torch.Tensor:
+    def counted(slots: Any, tokens: Any, stop: Any = None) -> torch.Tensor:
         passes.append(len(slots))
-        return real(slots, tokens)
+        return real(slots, tokens, stop)
 
     steps.cache.decode = counted  # type: ignore[method-assign]
     greedy = {"max_tokens": 6, "temperature": 0, "logprobs": 2}
@@ -312,3 +314,28 @@ async def test_warming_the_steps_leaves_no_trace(engine: LocalEngine) -> None:
     result = next(u.result for u in updates if u.result is not None)
     assert result == await engine.generate(request)
     assert steps.tickets() == [] and steps._next_slot == 1, "the warm-up's slot went to the request"
+
+
+async def test_a_step_given_up_part_way_is_as_if_its_sequences_sat_it_out(engine: LocalEngine) -> None:
+    """A step whose ``stop()`` is true decodes nothing for its sequences on the slot forward (transformers' forward
+    is never given up), and the requests then end with the tokens they would have had."""
+    steps = own_steps(engine, 64)
+    slot_forward = isinstance(steps.cache, SlotModel)
+    requests = [req(engine, PROMPTS[i], max_tokens=6, temperature=0) for i in (0, 3)]
+    results: dict[int, GenerationResult] = {}
+    with torch.inference_mode():
+        updates = steps.step([Start(i, r) for i, r in enumerate(requests)], [])
+        first = {u.ticket: u.generated for u in updates}
+        given_up = steps.step([], [], stop=lambda: True)
+        assert all(u.generated == 0 for u in given_up) == slot_forward
+        for _ in range(20):
+            for u in updates + given_up:
+                if isinstance(u.result, GenerationResult):
+                    results[u.ticket] = u.result
+            if len(results) == len(requests):
+                break
+            updates, given_up = steps.step([], [], stop=lambda: False), []
+    assert first == {0: 2, 1: 2}, "each request's prefill token and one decode token"
+    for i, r in enumerate(requests):
+        alone = await engine.generate(r)
+        assert [s.token_ids for s in results[i].sequences] == [s.token_ids for s in alone.sequences]

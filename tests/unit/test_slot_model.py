@@ -18,9 +18,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.hf_cache import HFSlots
+from miserver.engines.local.llama_ops import supported
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.slot_weights import WEIGHT_LAYOUTS, WeightLayout, bfloat16_available
-from miserver.engines.local.slots import SlotModel, supported
+from miserver.engines.local.slots import SlotModel
+from miserver.engines.local.steps import StepInterrupted
 from tests.support.slot_runs import greedy, ids_of
 
 PROMPTS = ["hello there", "tell me about the sea and the ships on it, and the sailors", "why", "a b c d e f g"]
@@ -125,6 +127,28 @@ def test_slots_at_other_lengths_decode_together(loaded: LoadedModel, weights: We
             two = alone.decode([0], [nxt])[0]
             assert torch.allclose(one, together[0][row], atol=1e-5, rtol=0)
             assert torch.allclose(two, together[1][row], atol=1e-5, rtol=0)
+
+
+def test_a_decode_step_given_up_part_way_changes_nothing(loaded: LoadedModel) -> None:
+    """``decode`` with a ``stop`` that turns true before layer 1 raises ``StepInterrupted``: no slot grows, and
+    feeding the same tokens again gives the bits of a step never interrupted."""
+    with torch.inference_mode():
+        prompts = [ids_of(loaded, t) for t in PROMPTS[:2]]
+        caches = [SlotModel(loaded.model, max_positions=512) for _ in range(2)]
+        firsts = [[int(torch.argmax(c.prefill(s, p))) for s, p in enumerate(prompts)] for c in caches]
+        asked: list[int] = []
+
+        def stop() -> bool:
+            asked.append(1)
+            return len(asked) > 1  # true before the second layer
+
+        with pytest.raises(StepInterrupted):
+            caches[0].decode([0, 1], firsts[0], stop)
+        assert len(asked) == 2 and [caches[0].length(s) for s in (0, 1)] == [len(p) for p in prompts]
+        again = caches[0].decode([0, 1], firsts[0], lambda: False)
+        never = caches[1].decode([0, 1], firsts[1])
+        assert torch.equal(again, never)
+        assert [caches[0].length(s) for s in (0, 1)] == [len(p) + 1 for p in prompts]
 
 
 @pytest.mark.parametrize("weights", WEIGHT_LAYOUTS)

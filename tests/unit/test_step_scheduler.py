@@ -4,6 +4,7 @@ step, interactive first above the batch slots, batch turns by fairness key, and 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from miserver.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from miserver.engines.local.scheduler import Group, StepScheduler
@@ -21,6 +22,8 @@ class FakeSteps:
         self.left: dict[int, int] = {}
         #: the tickets each call paused
         self.paused: list[list[int]] = []
+        #: per call, whether its ``stop()`` was true as it stepped (None: it had none)
+        self.stopped: list[bool | None] = []
         self.log: list[tuple[list[int], list[int]]] = []
         self.hold_at = hold_at
         self.held = asyncio.Event()
@@ -30,11 +33,14 @@ class FakeSteps:
         """Wait until the held call has started (raises ``TimeoutError`` after 10 s)."""
         await asyncio.wait_for(self.held.wait(), 10)
 
-    async def __call__(self, starts: list[Start], drops: list[int], paused: list[int]) -> list[Update]:
+    async def __call__(
+        self, starts: list[Start], drops: list[int], paused: list[int], stop: Callable[[], bool] | None
+    ) -> list[Update]:
         await asyncio.sleep(0)  # a step hands the event loop over, as the engine thread's job does
         if len(self.log) == self.hold_at:
             self.held.set()
             await self.go.wait()
+        self.stopped.append(None if stop is None else stop())
         self.log.append(([s.ticket for s in starts], list(drops)))
         self.paused.append(list(paused))
         for d in drops:
@@ -194,3 +200,21 @@ async def test_a_batch_always_progresses_beside_interactive_work() -> None:
     assert [sorted(p) for p in steps.paused[2:9]] == [both, both, both, [], both, both, []]
     assert len(steps.log) == 9, "rows of 4 tokens: steps 0, 1, 5 and 8"
     await chat.outcome()
+
+
+async def test_an_interactive_arrival_gives_up_the_batch_step_in_flight() -> None:
+    """A step of batch sequences only may be given up (``stop()``) once an interactive ticket arrives, and is not
+    before; a step with an interactive sequence in it is never given up."""
+    steps = FakeSteps(hold_at=2)
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4)
+    rows = [s.submit(request(6)) for _ in range(2)]
+    await steps.holding()  # the third step, batch rows only, is on the engine thread
+    chat = s.submit(request(3, Priority.INTERACTIVE))
+    steps.go.set()
+    await chat.outcome()
+    for t in rows:
+        await t.outcome()
+    assert steps.stopped[:2] == [False, False], "batch-only steps, nothing arrived"
+    assert steps.stopped[2] is True, "the step in flight when the chat arrived"
+    assert steps.stopped[3:6] == [None, None, None], "the chat's steps are never given up"
+    assert chat.admitted_at == 3

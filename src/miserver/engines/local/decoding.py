@@ -12,8 +12,9 @@ from typing import Literal
 from transformers import PreTrainedModel
 
 from miserver.engines.local.hf_cache import HFSlots
+from miserver.engines.local.llama_ops import supported
 from miserver.engines.local.slot_weights import WeightLayout
-from miserver.engines.local.slots import AttentionKind, KVCacheKind, SlotModel, supported
+from miserver.engines.local.slots import AttentionKind, KVCacheKind, SlotModel
 from miserver.engines.local.steps import Slots
 
 DecodePath = Literal["slots", "transformers"]

@@ -410,14 +410,16 @@ class LocalEngine:
 
         await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
-    async def _run_step(self, starts: list[Start], drops: list[int], paused: list[int]) -> list[Update]:
+    async def _run_step(
+        self, starts: list[Start], drops: list[int], paused: list[int], stop: Callable[[], bool] | None
+    ) -> list[Update]:
         """One step of the step loop on the engine thread (a failed step drops everything in flight)."""
         batch = self._steps
 
         def run() -> list[Update]:
             with torch.inference_mode():
                 try:
-                    return batch.step(starts, drops, paused)
+                    return batch.step(starts, drops, paused, stop)
                 except BaseException:
                     batch.reset()
                     raise

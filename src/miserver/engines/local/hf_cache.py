@@ -16,7 +16,7 @@ Everything here is synchronous and runs under ``torch.inference_mode`` on the en
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -87,11 +87,13 @@ class HFSlots:
             return
         self._keep([b for b, s in enumerate(self._rows) if s != slot])
 
-    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    def decode(
+        self, slots: Sequence[int], tokens: Sequence[int], stop: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
         """Feed ``tokens[i]`` after ``slots[i]``'s cache, every slot at its own next position; returns float32 logits
         ``[len(slots), vocab]`` and each slot grows by one token. One slot, or a model that cannot merge, decodes
         alone (the single decode step); several are merged into one forward pass. Raises ``ValueError`` past
-        ``max_positions``."""
+        ``max_positions``. ``stop`` is ignored: transformers' forward is not given up part way."""
         if self.max_positions is not None:
             for slot in slots:
                 if self.length(slot) >= self.max_positions:

@@ -1,6 +1,7 @@
 """The Llama operations of the slot forward (``slots.SlotModel``): a projection over a plain, transposed or
-prepacked weight, RMSNorm, rotary embedding, and ``torch.compile`` of a forward with its fallback. Each works row by
-row (a row's result never depends on the other rows of its tensor, given the same kernel)."""
+prepacked weight, RMSNorm, rotary embedding, and ``torch.compile`` of a forward with its fallback; and
+:func:`supported`, the models they compute. Each works row by row (a row's result never depends on the other rows of
+its tensor, given the same kernel)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from miserver.engines.local.slot_weights import Int4Matrix, Int8Matrix, Layer, Matrix, Projections
 
@@ -137,3 +139,21 @@ def rows_computed_alone(
         alone.append(tuple(t[0].clone() for t in ops(row(i), positions[i : i + 1])))
     together = ops(torch.cat([row(i) for i in range(rows)]), positions)
     return all(torch.equal(t[i], a) for i in range(rows) for t, a in zip(together, alone[i], strict=True))
+
+
+def supported(model: PreTrainedModel) -> bool:
+    """Whether :class:`SlotModel`'s forward computes ``model``: a ``LlamaForCausalLM`` with SiLU MLP, default rotary
+    embedding (no scaling) and no sliding window."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    inner = getattr(model, "model", None)
+    return (
+        getattr(config, "model_type", None) == "llama"
+        and type(model).__name__ == "LlamaForCausalLM"
+        and getattr(config, "hidden_act", None) == "silu"
+        and rope.get("rope_type", "default") == "default"
+        and int(getattr(config, "pretraining_tp", 1) or 1) == 1
+        and inner is not None
+        and hasattr(inner, "rotary_emb")
+        and hasattr(inner, "layers")
+    )

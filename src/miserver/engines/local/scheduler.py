@@ -18,7 +18,9 @@ while anything waits or runs:
    ticket starts, so that a batch always progresses;
 3. **step**: one :meth:`~miserver.engines.local.steps.StepBatch.step` on the engine thread (prefill of the admitted,
    one decode token for the others but those sitting out); other engine work (scoring and pooling packs, weight
-   edits) queues on the same thread between two steps;
+   edits) queues on the same thread between two steps. A step of batch sequences only gives its decode up between
+   two layers when an interactive ticket arrives (its sequences decode that token at a later step, as if they had
+   sat the step out), so an interactive request waits for about one layer, not for the batch's whole step;
 4. **retire**: deltas go to their tickets (streams see them at once); a finished ticket gets its result.
 
 The scheduler sees a priority class, a fairness key and the batch-invariant switch on each request, never a batch.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -39,8 +42,9 @@ from miserver.scheduling.admission import Priority
 
 log = logging.getLogger("miserver.engine")
 
-#: Runs one step on the engine thread: (starts, drops, paused) -> updates; raises what the step raised.
-StepRunner = Callable[[list[Start], list[int], list[int]], Awaitable[list[Update]]]
+#: Runs one step on the engine thread: (starts, drops, paused, stop) -> updates; raises what the step raised. ``stop``,
+#: when given, turns true once the step's decode should be given up (see ``StepBatch.step``).
+StepRunner = Callable[[list[Start], list[int], list[int], Callable[[], bool] | None], Awaitable[list[Update]]]
 
 
 @dataclass
@@ -134,6 +138,8 @@ class StepScheduler:
         self._held_since: int | None = None
         #: whether this step is the batch's turn beside interactive work (see ``_admit``)
         self._turn = False
+        #: set when an interactive ticket arrives; a batch-only step in flight gives its decode up when it is set
+        self._arrived = threading.Event()
         self.run_step = run_step
         self.max_sequences = max_sequences
         self.batch_slots = min(batch_slots, max_sequences)
@@ -155,6 +161,7 @@ class StepScheduler:
         ticket = Ticket(next(self._numbers), request, group)
         if request.priority == Priority.INTERACTIVE:
             self._interactive.append(ticket)
+            self._arrived.set()
         else:
             self._batch.setdefault(request.fairness_key, deque()).append(ticket)
         loop = asyncio.get_running_loop()
@@ -187,12 +194,16 @@ class StepScheduler:
             starts = self._admit()
             if not starts and not self._active:
                 if drops:
-                    await self.run_step([], drops, [])
+                    await self.run_step([], drops, [], None)
                 continue
             paused = self._paused()
+            batch_only = all(t.priority != Priority.INTERACTIVE for t in self._active.values())
             try:
                 updates = await self.run_step(
-                    [Start(t.number, t.request, t.request.invariant) for t in starts], drops, paused
+                    [Start(t.number, t.request, t.request.invariant) for t in starts],
+                    drops,
+                    paused,
+                    self._arrived.is_set if batch_only else None,
                 )
             except BaseException as exc:
                 self._fail(exc, [t.number for t in starts])
@@ -221,6 +232,7 @@ class StepScheduler:
         ``batch_slots`` and ``prefill_tokens`` (a request wider than the free room starts only when its class has
         nothing in flight); while interactive work runs or waits, none but at the batch's turn (every
         ``batch_hold_steps`` steps, which sets ``_turn``), and then one when no batch sequence is in flight."""
+        self._arrived.clear()  # every interactive ticket waiting now is seen here (this runs on the event loop)
         used = self.in_flight
         batch_used = sum(t.request.n for t in self._active.values() if t.priority != Priority.INTERACTIVE)
         prefill = 0  # batch prompt tokens admitted at this step

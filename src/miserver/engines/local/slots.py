@@ -44,6 +44,7 @@ from miserver.engines.local.llama_ops import (
     rms_norm,
     rotary_table,
     rows_computed_alone,
+    supported,
 )
 from miserver.engines.local.slot_weights import (
     Layer,
@@ -54,6 +55,7 @@ from miserver.engines.local.slot_weights import (
     has_quantized,
     packing_available,
 )
+from miserver.engines.local.steps import StepInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -61,24 +63,6 @@ log = logging.getLogger(__name__)
 INITIAL_CAPACITY = 256
 #: Slots of a fresh cache (grown by doubling).
 INITIAL_SLOTS = 4
-
-
-def supported(model: PreTrainedModel) -> bool:
-    """Whether :class:`SlotModel`'s forward computes ``model``: a ``LlamaForCausalLM`` with SiLU MLP, default rotary
-    embedding (no scaling) and no sliding window."""
-    config = model.config
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    inner = getattr(model, "model", None)
-    return (
-        getattr(config, "model_type", None) == "llama"
-        and type(model).__name__ == "LlamaForCausalLM"
-        and getattr(config, "hidden_act", None) == "silu"
-        and rope.get("rope_type", "default") == "default"
-        and int(getattr(config, "pretraining_tp", 1) or 1) == 1
-        and inner is not None
-        and hasattr(inner, "rotary_emb")
-        and hasattr(inner, "layers")
-    )
 
 
 #: How the decode step attends (see :class:`SlotModel`).
@@ -299,23 +283,29 @@ class SlotModel:
         """Forget ``slot``'s cache (nothing happens for an empty slot)."""
         self._lengths.pop(slot, None)
 
-    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    def decode(
+        self, slots: Sequence[int], tokens: Sequence[int], stop: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
         """Feed ``tokens[i]`` after ``slots[i]``'s cache, every slot at its own next position, in one forward pass;
         returns float32 logits ``[len(slots), vocab]`` and each slot grows by one token. Raises ``ValueError`` for a
-        slot already holding ``max_positions`` tokens, ``KeyError`` for an empty one."""
+        slot already holding ``max_positions`` tokens, ``KeyError`` for an empty one, and ``StepInterrupted`` when
+        ``stop()`` is true before a layer of the eager forward (no slot grows; the columns written are written again,
+        with the same values, when the token is fed again)."""
         lengths = [self._lengths[s] for s in slots]
         for slot, n in zip(slots, lengths, strict=True):
             if n >= self.max_positions:
                 raise ValueError(f"slot {slot} is full: the context holds {self.max_positions} tokens")
             self._reserve(slot, n + 1)
-        logits = self._step(list(slots), list(tokens), lengths)
+        logits = self._step(list(slots), list(tokens), lengths, stop)
         for slot, n in zip(slots, lengths, strict=True):
             self._lengths[slot] = n + 1
         return logits
 
     # --- the forward ------------------------------------------------------------------------------------------------
 
-    def _step(self, slots: list[int], tokens: list[int], lengths: list[int]) -> torch.Tensor:
+    def _step(
+        self, slots: list[int], tokens: list[int], lengths: list[int], stop: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
         """One decode step (see :meth:`decode`): ``[rows, vocab]`` float32 logits. Runs the compiled forward when
         there is one; a compiled forward that fails is dropped (logged) and the step runs eager (the cache columns it
         may have written are written again, with the same values)."""
@@ -339,7 +329,7 @@ class SlotModel:
             except Exception:
                 log.warning("the compiled decode step failed; decoding eager from now on", exc_info=True)
                 self._compiled = None
-        return self._forward(*args, head.bias)
+        return self._forward(*args, head.bias, stop)
 
     def _forward(
         self,
@@ -352,10 +342,12 @@ class SlotModel:
         layers: list[Layer],
         head: Matrix,
         head_bias: torch.Tensor | None,
+        stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """The decode forward of ``tokens`` (``[B]``) into the slots ``slot_t`` at positions ``pos_t`` (``[B]``),
         attending over the slot range ``lo .. lo + len(seen) - 1``, row ``r`` to its first ``seen[r]`` columns, at
-        most ``width``; ``head`` is the ``[hidden, vocab]`` output matrix. Returns float32 logits ``[B, vocab]``."""
+        most ``width``; ``head`` is the ``[hidden, vocab]`` output matrix. Returns float32 logits ``[B, vocab]``;
+        raises ``StepInterrupted`` when ``stop()`` is true before a layer."""
         row_t = slot_t - lo
         hidden = self._embed(tokens)  # [B, hidden]
         cos, sin = self._cos[pos_t], self._sin[pos_t]  # [B, head_dim]
@@ -363,6 +355,8 @@ class SlotModel:
         columns = pos_t + 1  # [B]: each row's own columns (the kernel's)
         mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
         for i, layer in enumerate(layers):
+            if stop is not None and stop():
+                raise StepInterrupted(f"the decode step was given up before layer {i}")
             q, k, v = attention_inputs(hidden, layer, cos, sin, self.eps, self.heads, self.kv_heads)
             self._keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
             self._values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)

@@ -23,7 +23,7 @@ Everything here is synchronous and must run under ``torch.inference_mode`` on th
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,12 +36,20 @@ from miserver.engines.local.generate import collect_result, logprobs_of, sample
 from miserver.engines.local.processors import Grammars, Processors, process, processors_for
 
 
+class StepInterrupted(Exception):
+    """A decode step given up part way because its ``stop()`` turned true (an interactive request arrived): no
+    sequence of it advanced, and feeding the same tokens again gives the same result."""
+
+
 class Slots(Protocol):
-    """A KV cache of sequences addressed by slot number (see ``hf_cache.HFSlots``, ``slots.SlotModel``)."""
+    """A KV cache of sequences addressed by slot number (see ``hf_cache.HFSlots``, ``slots.SlotModel``). ``decode``
+    may raise :class:`StepInterrupted` once ``stop()`` is true (a cache that cannot stop part way ignores it)."""
 
     def prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor: ...
     def prefill_many(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
-    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
+    def decode(
+        self, slots: Sequence[int], tokens: Sequence[int], stop: Callable[[], bool] | None = None
+    ) -> torch.Tensor: ...
     def independent_rows(self, rows: int) -> bool: ...
     def fork(self, src: int, dst: int) -> None: ...
     def release(self, slot: int) -> None: ...
@@ -182,9 +190,18 @@ class StepBatch:
         """The requests in flight (started, not finished)."""
         return list(self._all)
 
-    def step(self, starts: Sequence[Start], drops: Sequence[int], paused: Collection[int] = ()) -> list[Update]:
+    def step(
+        self,
+        starts: Sequence[Start],
+        drops: Sequence[int],
+        paused: Collection[int] = (),
+        stop: Callable[[], bool] | None = None,
+    ) -> list[Update]:
         """Drop the requests ``drops``, start ``starts``, run one decode step of every sequence in flight but those of
-        the requests ``paused`` (they keep their slots and caches); an :class:`Update` per request touched.
+        the requests ``paused`` (they keep their slots and caches); an :class:`Update` per request touched. Once
+        ``stop()`` is true the decode step is given up between two layers where the cache can (the scheduler's
+        batch-only steps, when an interactive request arrives): its sequences decode nothing in this step, as if
+        paused.
 
         Raises ``ValueError`` when the starts need more slots than ``capacity`` (the scheduler's contract)."""
         for ticket in drops:
@@ -199,7 +216,7 @@ class StepBatch:
                 self._begin(a, logits)
         going = [s for s in self.seqs if not s.done and s.ticket not in paused]
         if going:
-            self._decode(going)
+            self._decode(going, stop)
         for seq in self.seqs:
             if seq.deltas:
                 u = updates.setdefault(seq.ticket, Update(seq.ticket))
@@ -312,7 +329,7 @@ class StepBatch:
             elif not advance(seq, logits, self.eos_ids):
                 self._retire(seq)
 
-    def _decode(self, going: list[Seq]) -> None:
+    def _decode(self, going: list[Seq], stop: Callable[[], bool] | None = None) -> None:
         """One decode step: the sequences that may share in one forward pass, and each invariant one alone (its bits
         are those of its step alone). ``Slots.independent_rows`` is not trusted here: on the AMD EPYC development
         machine SmolLM2's rows decoded together differed from their steps alone where that check passed."""
@@ -321,7 +338,10 @@ class StepBatch:
         if shared:
             groups.insert(0, shared)
         for group in groups:
-            logits = self.cache.decode([s.slot for s in group], [s.token for s in group])
+            try:
+                logits = self.cache.decode([s.slot for s in group], [s.token for s in group], stop)
+            except StepInterrupted:
+                return  # this group and the rest decode at a later step
             if len(group) > 1:
                 for seq in group:
                     seq.shared = seq.shared or not seq.alone
