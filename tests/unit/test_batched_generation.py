@@ -17,12 +17,20 @@ from typing import Any
 import pytest
 import torch
 
-from miserver.engines.base import Generated, GeneratesMany, GenerationRequest, GenerationResult, SamplingParams
+from miserver.engines.base import (
+    Generated,
+    GeneratesMany,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    ScoreRequest,
+)
 from miserver.engines.local.decoding import DecodeOptions, DecodePath, make_slots
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import load_model, resolve_model_source
 from miserver.engines.local.slots import SlotModel
 from miserver.engines.local.steps import Start, StepBatch, Update
+from miserver.scheduling.admission import Priority
 
 PROMPTS = [
     "hello there",
@@ -339,3 +347,17 @@ async def test_a_step_given_up_part_way_is_as_if_its_sequences_sat_it_out(engine
     for i, r in enumerate(requests):
         alone = await engine.generate(r)
         assert [s.token_ids for s in results[i].sequences] == [s.token_ids for s in alone.sequences]
+
+
+async def test_an_interactive_scoring_pass_gives_up_a_batch_step(
+    engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scoring pass at interactive priority asks the step loop to give up a batch-only step in flight; one at
+    batch priority does not."""
+    calls: list[int] = []
+    monkeypatch.setattr(engine.scheduler, "interrupt", lambda: calls.append(1))
+    one = req(engine, PROMPTS[0], max_tokens=1, temperature=0)
+    await engine.score(ScoreRequest(dataclasses.replace(one, priority=Priority.BATCH)))
+    assert calls == []
+    await engine.score(ScoreRequest(dataclasses.replace(one, priority=Priority.INTERACTIVE)))
+    assert calls == [1]

@@ -218,3 +218,16 @@ async def test_an_interactive_arrival_gives_up_the_batch_step_in_flight() -> Non
     assert steps.stopped[2] is True, "the step in flight when the chat arrived"
     assert steps.stopped[3:6] == [None, None, None], "the chat's steps are never given up"
     assert chat.admitted_at == 3
+
+
+async def test_an_interactive_request_outside_the_loop_gives_up_the_batch_step_too() -> None:
+    """``interrupt()`` (an interactive scoring pass waiting for the engine thread) makes the batch-only step in
+    flight give up, as an interactive ticket does."""
+    steps = FakeSteps(hold_at=1)
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4)
+    row = s.submit(request(4))
+    await steps.holding()
+    s.interrupt()
+    steps.go.set()
+    await row.outcome()
+    assert steps.stopped == [False, True, False, False, False], "the step in flight when it came, and no other"

@@ -39,6 +39,7 @@ from miserver.engines.local.scheduler import Group, StepScheduler, Ticket
 from miserver.engines.local.score import score_pack
 from miserver.engines.local.steps import Start, StepBatch, Update
 from miserver.engines.local.thread import engine_threads, new_executor, one_openmp_team
+from miserver.scheduling.admission import Priority
 
 _T = TypeVar("_T")
 
@@ -322,6 +323,8 @@ class LocalEngine:
         """
         for r in requests:
             self._count(r.generation)
+        if any(r.generation.priority == Priority.INTERACTIVE for r in requests):
+            self.scheduler.interrupt()  # not behind the batch's step in flight
         loaded = self.loaded
 
         def run() -> list[ScoreResult]:

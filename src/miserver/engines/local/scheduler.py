@@ -169,6 +169,11 @@ class StepScheduler:
             self._loop = loop.create_task(self._run(), name="miserver-step-loop")
         return ticket
 
+    def interrupt(self) -> None:
+        """An interactive request for the engine thread outside the step loop (a scoring pass) is waiting: a step of
+        batch sequences only in flight gives its decode up, so that the request runs after it."""
+        self._arrived.set()
+
     @property
     def in_flight(self) -> int:
         """Sequences in flight now."""
