@@ -13,6 +13,10 @@
    and 6 generated), once with ``pack: false`` and once with ``pack: true``, against the same chat on an idle server:
    batch rows that start beside a chat put their prefills into its steps.
 
+5. Where a chat's time goes beside a packed batch: streamed 8-token chats (``--stream-rows``, 48 by default) on an idle
+   server, then one after another while the batch runs, each split into its time to the first token (the wait for
+   the step in flight and the chat's prefill) and the rest (its decode steps), p50/p90/max against idle.
+
 The load average is printed beside each part. Results: ``bench/results/scheduler.json``.
 
     .venv/bin/python bench/scheduler.py
@@ -248,6 +252,62 @@ def part_hang_up(server: ServerProcess, client: Any) -> dict[str, Any]:
     return out
 
 
+def streamed(client: Any, i: int) -> tuple[float, float]:
+    """Seconds to the first content chunk of a streamed 8-token chat, and to its end."""
+    start = time.perf_counter()
+    first = None
+    for event in client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    ):
+        if first is None and event.choices and event.choices[0].delta.content:
+            first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    return (total if first is None else first), total
+
+
+def part_first_token(client: Any, rows: int) -> dict[str, Any]:
+    """Part 5: streamed chats idle, then one after another (0.1-0.6 s apart) while a packed batch runs."""
+    idle = [streamed(client, i) for i in range(16)]
+    uploaded = client.files.create(file=("gen.jsonl", batch_lines(rows)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", extra_body={"pack": True}
+    )
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress", timeout=600, interval=0.05)
+    rng = random.Random(3)
+    busy: list[tuple[float, float]] = []
+    while client.batches.retrieve(batch.id).status == "in_progress":
+        time.sleep(rng.uniform(0.1, 0.6))  # the moments the chats are sent, not an ordering of the server's work
+        busy.append(streamed(client, len(busy)))
+    wait_for(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), timeout=3600, interval=0.2)
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {
+            "p50_s": round(percentile(values, 0.5), 3),
+            "p90_s": round(percentile(values, 0.9), 3),
+            "max_s": round(max(values), 3),
+        }
+
+    out: dict[str, Any] = {"rows": rows, "chats_during": len(busy)}
+    for name, chats in (("idle", idle), ("during", busy)):
+        out[name] = {
+            "first_token": spread([f for f, _ in chats]),
+            "rest": spread([t - f for f, t in chats]),
+        }
+    out["load"] = load()
+    i, d = out["idle"], out["during"]
+    print(
+        f"streamed 8-token chats: first token p50/p90/max idle {i['first_token']['p50_s']}/{i['first_token']['p90_s']}/"
+        f"{i['first_token']['max_s']} s, beside the {rows}-row batch {d['first_token']['p50_s']}/"
+        f"{d['first_token']['p90_s']}/{d['first_token']['max_s']} s ({len(busy)} chats); the rest p50 idle "
+        f"{i['rest']['p50_s']} s, beside the batch {d['rest']['p50_s']} s; load {out['load']}"
+    )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=32, help="rows of the packed generation batch")
@@ -271,6 +331,8 @@ def main() -> None:
                 report["packed_batch"] = part_batch(client, rows, chats, rng)
             if "3" in parts:
                 report["hang_up"] = part_hang_up(server, client)
+            if "5" in parts:
+                report["first_token"] = part_first_token(client, args.stream_rows)
             if "4" in parts:
                 report["prefill_heavy"] = heavy = prefill_heavy(client)
                 print(

@@ -230,4 +230,4 @@ async def test_an_interactive_request_outside_the_loop_gives_up_the_batch_step_t
     s.interrupt()
     steps.go.set()
     await row.outcome()
-    assert steps.stopped == [False, True, False, False, False], "the step in flight when it came, and no other"
+    assert steps.stopped == [False, True, False, False], "the step in flight when it came, and no other"
