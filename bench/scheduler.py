@@ -312,7 +312,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=32, help="rows of the packed generation batch")
     parser.add_argument("--chats", type=int, default=12, help="short chats sent while it runs")
-    parser.add_argument("--parts", default="1,2,3,4", help="the parts to run, comma-separated (the module's numbering)")
+    parser.add_argument(
+        "--parts", default="1,2,3,4,5", help="the parts to run, comma-separated (the module's numbering)"
+    )
+    parser.add_argument("--stream-rows", type=int, default=48, help="rows of part 5's packed batch")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     rows, chats = args.rows, args.chats
