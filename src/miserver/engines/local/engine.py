@@ -32,7 +32,7 @@ from miserver.engines.base import (
 )
 from miserver.engines.local.decoding import DEFAULT_DECODE, DecodeOptions, make_slots
 from miserver.engines.local.embed import pool_pack
-from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
+from miserver.engines.local.loader import LoadedModel, eos_ids_of, load_model, resolve_model_source
 from miserver.engines.local.processors import BACKEND as GRAMMAR_BACKEND
 from miserver.engines.local.processors import CacheStats, Grammars
 from miserver.engines.local.scheduler import Group, StepScheduler, Ticket
@@ -97,7 +97,7 @@ class LocalEngine:
             hidden_size=int(getattr(config, "hidden_size", 0) or 0),
             num_layers=self.num_layers,
         )
-        self.eos_ids = _eos_ids(loaded)
+        self.eos_ids = eos_ids_of(loaded)
         pad = loaded.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else next(iter(sorted(self.eos_ids)), 0))
         embedding = loaded.model.get_input_embeddings()
@@ -326,20 +326,17 @@ class LocalEngine:
         if any(r.generation.priority == Priority.INTERACTIVE for r in requests):
             self.scheduler.interrupt()  # not behind the batch's step in flight
         loaded = self.loaded
-
-        def run() -> list[ScoreResult]:
-            with torch.inference_mode():
-                return score_pack(
-                    loaded.model,
-                    loaded.tokenizer,
-                    requests,
-                    pad_id=self.pad_id,
-                    eos_ids=self.eos_ids,
-                    max_positions=self.context_length or None,
-                    grammars=self._steps.grammars,
-                )
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        return await self._inference(
+            lambda: score_pack(
+                loaded.model,
+                loaded.tokenizer,
+                requests,
+                pad_id=self.pad_id,
+                eos_ids=self.eos_ids,
+                max_positions=self.context_length or None,
+                grammars=self._steps.grammars,
+            )
+        )
 
     async def embed(self, request: PoolRequest) -> Vector:
         """One pooled vector, its input alone (no padding). Raises ``ValueError`` as :meth:`embed_many`."""
@@ -353,12 +350,9 @@ class LocalEngine:
         for r in requests:
             self._count(r)
         loaded = self.loaded
-
-        def run() -> list[Vector]:
-            with torch.inference_mode():
-                return pool_pack(loaded.model, requests, pad_id=self.pad_id, num_layers=self.num_layers)
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        return await self._inference(
+            lambda: pool_pack(loaded.model, requests, pad_id=self.pad_id, num_layers=self.num_layers)
+        )
 
     async def call(self, fn: Callable[[LoadedModel], _T]) -> _T:
         """Run ``fn(loaded model)`` on the engine thread, after the work queued before it (weight edits, saves:
@@ -403,15 +397,19 @@ class LocalEngine:
     def _generated(self, tokens: int) -> None:
         self.generated_tokens += tokens
 
+    async def _inference(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` under ``torch.inference_mode`` on the engine thread, after the work queued before it."""
+
+        def run() -> _T:
+            with torch.inference_mode():
+                return fn()
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
     async def _warm(self) -> None:
         """One step of a one-token prompt on the engine thread before the first request (``StepBatch.warm``)."""
         steps, token = self._steps, self.pad_id
-
-        def run() -> None:
-            with torch.inference_mode():
-                steps.warm(token)
-
-        await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        await self._inference(lambda: steps.warm(token))
 
     async def _run_step(
         self, starts: list[Start], drops: list[int], paused: list[int], stop: Callable[[], bool] | None
@@ -420,14 +418,13 @@ class LocalEngine:
         batch = self._steps
 
         def run() -> list[Update]:
-            with torch.inference_mode():
-                try:
-                    return batch.step(starts, drops, paused, stop)
-                except BaseException:
-                    batch.reset()
-                    raise
+            try:
+                return batch.step(starts, drops, paused, stop)
+            except BaseException:
+                batch.reset()
+                raise
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        return await self._inference(run)
 
     async def _stream(self, ticket: Ticket) -> AsyncIterator[StreamDelta]:
         try:
@@ -439,17 +436,3 @@ class LocalEngine:
                 raise ticket.result
         finally:
             ticket.cancel()
-
-
-def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    """The tokenizer's EOS id plus the generation config's (an int or a list)."""
-    ids: set[int] = set()
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
-    gen = getattr(loaded.model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if isinstance(extra, int):
-        ids.add(extra)
-    elif extra is not None:
-        ids.update(int(i) for i in extra)
-    return frozenset(ids)

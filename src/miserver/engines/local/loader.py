@@ -254,3 +254,17 @@ def _atomic_write_text(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
     os.replace(tmp, path)
+
+
+def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
+    """The tokenizer's EOS id plus the generation config's (an int or a list)."""
+    ids: set[int] = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    gen = getattr(loaded.model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra is not None:
+        ids.update(int(i) for i in extra)
+    return frozenset(ids)
