@@ -28,7 +28,7 @@ def greedy(cache: SlotModel | HFSlots, slot: int, ids: torch.Tensor, steps: int)
 def copy_cache(dst: SlotModel, src: SlotModel) -> None:
     """``dst``'s KV cache and lengths made ``src``'s (both built alike and filled alike), to compare one decode step
     of the two from the same cache."""
-    for mine, theirs in ((dst._keys, src._keys), (dst._values, src._values)):
+    for mine, theirs in ((dst._kv.keys, src._kv.keys), (dst._kv.values, src._kv.values)):
         for a, b in zip(mine, theirs, strict=True):
             a.copy_(b)
     dst._lengths = dict(src._lengths)

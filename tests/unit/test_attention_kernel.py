@@ -212,7 +212,7 @@ def test_a_slot_never_attends_past_its_own_length(loaded: LoadedModel, kernel_di
         clean = cache.decode([0, 1], [first, other])
         cache.prefill(0, short)
         cache.prefill(1, long)
-        for layer in (*cache._keys, *cache._values):
+        for layer in (*cache._kv.keys, *cache._kv.values):
             layer[0, :, len(short) + 1 :] = float("nan")
         assert torch.equal(cache.decode([0, 1], [first, other]), clean)
 

@@ -35,6 +35,9 @@ TEXTS = [
     "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
 ]
 TOL = 1e-4  # float32, packed against alone (measured about 1e-6 on this model)
+#: a generation's first token against scoring's: the step loop's prefill attends over its bfloat16 KV cache, as its
+#: decode steps do, where scoring attends in float32 (measured up to 2e-4 on this model)
+FIRST_TOKEN_TOL = 1e-3
 
 
 @pytest.fixture
@@ -62,7 +65,7 @@ async def test_score_chooses_what_generate_chooses(engine: LocalEngine, params: 
         for a, b in zip(scored.sequences, generated.sequences):
             assert a.logprobs is not None and b.logprobs is not None
             assert a.logprobs[0].top[0][0] == b.logprobs[0].top[0][0]
-            assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < TOL
+            assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < FIRST_TOKEN_TOL
         assert scored.prompt_tokens == generated.prompt_tokens
         assert scored.completion_tokens == generated.completion_tokens
 

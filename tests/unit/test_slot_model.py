@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from miserver.engines.local import kv_cache
 from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.hf_cache import HFSlots
@@ -104,7 +105,7 @@ def test_the_own_prefill_fills_the_cache_as_transformers_does(loaded: LoadedMode
         theirs.prefill(3, ids)
         n = len(ids)
         assert own.length(3) == theirs.length(3) == n
-        for mine, ref in zip(own._keys + own._values, theirs._keys + theirs._values, strict=True):
+        for mine, ref in zip(own._kv.keys + own._kv.values, theirs._kv.keys + theirs._kv.values, strict=True):
             assert torch.allclose(mine[3, :, :n], ref[3, :, :n], atol=1e-5, rtol=0)
             assert not mine[3, :, n:].any(), "nothing written past the prompt"
 
@@ -181,7 +182,8 @@ def test_prompts_prefilled_together_get_the_bits_of_their_prefill_alone(
             assert torch.equal(logits[s], firsts[s]), f"prompt {s}"
             n = len(p)
             assert together.length(slot) == n
-            for mine, ref in zip(together._keys + together._values, alone._keys + alone._values, strict=True):
+            layers = zip(together._kv.keys + together._kv.values, alone._kv.keys + alone._kv.values, strict=True)
+            for mine, ref in layers:
                 assert torch.equal(mine[slot, :, :n], ref[s, :, :n]), f"prompt {s}'s cache"
         # and they decode on as they would alone
         nexts = [int(torch.argmax(x)) for x in firsts]
@@ -200,13 +202,13 @@ def test_a_refused_prompt_among_many_changes_no_slot(loaded: LoadedModel) -> Non
 
 
 def test_fork_release_and_growth(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(slots_module, "INITIAL_CAPACITY", 8)
-    monkeypatch.setattr(slots_module, "INITIAL_SLOTS", 1)
+    monkeypatch.setattr(kv_cache, "INITIAL_CAPACITY", 8)
+    monkeypatch.setattr(kv_cache, "INITIAL_SLOTS", 1)
     with torch.inference_mode():
         ids = ids_of(loaded, PROMPTS[0])
         ref, ref_logits = greedy(SlotModel(loaded.model, max_positions=512), 0, ids, 20)
         cache = SlotModel(loaded.model, max_positions=512)
-        assert cache._capacity == 8
+        assert cache._kv.capacity == 8
         logits = cache.prefill(0, ids)
         cache.fork(0, 6)  # grows the slots
         assert cache.length(6) == len(ids)
@@ -215,7 +217,7 @@ def test_fork_release_and_growth(loaded: LoadedModel, monkeypatch: pytest.Monkey
             tokens.append(int(torch.argmax(logits)))
             logits = cache.decode([6], [tokens[-1]])[0]
         assert tokens == ref
-        assert cache._capacity >= len(ids) + 20 and cache._slots >= 7
+        assert cache._kv.capacity >= len(ids) + 20 and cache._kv.slots >= 7
         cache.release(6)
         cache.release(6)  # nothing held: no error
         with pytest.raises(KeyError):

@@ -356,12 +356,16 @@ class LocalEngine:
 
     async def call(self, fn: Callable[[LoadedModel], _T]) -> _T:
         """Run ``fn(loaded model)`` on the engine thread, after the work queued before it (weight edits, saves:
-        never beside a forward pass); re-raises what ``fn`` raises."""
-        loaded = self.loaded
+        never beside a forward pass); re-raises what ``fn`` raises. The prompts the step loop's cache holds are not
+        reused after it."""
+        loaded, cache = self.loaded, self._steps.cache
 
         def run() -> _T:
-            with torch.no_grad():
-                return fn(loaded)
+            try:
+                with torch.no_grad():
+                    return fn(loaded)
+            finally:
+                cache.forget_prompts()  # ``fn`` may have written weights: the keys and values held are stale
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 

@@ -70,6 +70,9 @@ class HFSlots:
         """:meth:`prefill` of ``prompts[i]`` into ``slots[i]``, one after the other (transformers' prefill alone)."""
         return [self.prefill(slot, ids) for slot, ids in zip(slots, prompts, strict=True)]
 
+    def forget_prompts(self) -> None:
+        """Nothing: this cache reuses no prompt."""
+
     def independent_rows(self, rows: int) -> bool:
         """False: transformers' forward over a left-padded batch gives a row other bits than its step alone."""
         return False

@@ -5,11 +5,13 @@ its tensor, given the same kernel)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from transformers import PreTrainedModel
 
 from miserver.engines.local.slot_weights import Int4Matrix, Int8Matrix, Layer, Matrix, Projections
@@ -83,6 +85,38 @@ def attention_inputs(
     q = rotate(q.reshape(rows, heads, dim), cos, sin)
     k = rotate(k.reshape(rows, kv_heads, dim), cos, sin)
     return q, k, v.reshape(rows, kv_heads, dim)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Causal attention of each prompt (``lengths[j]`` consecutive rows of ``q`` ``[N, heads, head_dim]``, ``k`` and
+    ``v`` ``[N, kv_heads, head_dim]``, at positions from 0) over itself only, with torch's fused attention;
+    ``[N, heads * head_dim]``."""
+    parts = []
+    for n, at in zip(lengths, ends_of(lengths), strict=True):
+        queries, keys, values = (x[at - n : at].transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, n, head_dim]
+        attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+        parts.append(attn[0].transpose(0, 1).reshape(n, -1))
+    return torch.cat(parts)
+
+
+def masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_t: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention of the queries ``q`` (``[B, heads, head_dim]``, rotated) of the rows ``row_t`` of a
+    range of cache slots over their ``keys`` and ``values`` (``[rows, kv_heads, width, head_dim]``), hidden where
+    ``mask`` (``[rows, width]``) is True, with torch's fused attention; ``[B, heads * head_dim]``."""
+    rows, kv_heads, _, head_dim = keys.shape
+    group = q.shape[1] // kv_heads
+    full = q.new_zeros((rows, kv_heads, group, head_dim))
+    full[row_t] = q.view(-1, kv_heads, group, head_dim)
+    # each kv head's query group as the query rows of one attention (one fused kernel; True attends)
+    out = F.scaled_dot_product_attention(full, keys, values, attn_mask=~mask[:, None, None, :], scale=scale)
+    return out[row_t].reshape(len(row_t), kv_heads * group * head_dim)  # out: [rows, kv_heads, group, head_dim]
+
+
+def ends_of(lengths: Sequence[int]) -> list[int]:
+    """The end (exclusive) of each of consecutive runs of ``lengths`` rows."""
+    return list(itertools.accumulate(lengths))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,8 +4,9 @@
 :func:`supported`). Keys and values live in one preallocated tensor per layer, ``[slots, kv_heads, capacity,
 head_dim]``; a slot's sequence occupies positions ``0 .. length - 1`` of its row, and a decode step writes one new
 column per slot in place (no concatenation, no merging, no padding): each slot attends to its own first ``length + 1``
-columns, whatever the lengths of the others. The cache grows (doubling, copied once) when a slot number or a position
-goes past what it holds, up to ``max_positions`` columns.
+columns, whatever the lengths of the others (``kv_cache.StaticKVCache``: it grows, doubling, up to ``max_positions``
+columns). Under the attention kernel a prompt reuses the columns of the longest prefix it shares with a prompt that
+a slot holds (``prefixes.PromptPrefixes``), and only the positions after it are computed.
 
 A prompt is prefilled either by this module's own forward over all its positions (causal attention, the decode
 step's weights) or by transformers itself (``generate.prefill``: exactly the one-request prefill), its keys and
@@ -36,9 +37,13 @@ from transformers import PreTrainedModel
 from miserver.engines.local import attention as attention_kernel
 from miserver.engines.local import quantized as quantized_kernel
 from miserver.engines.local.generate import prefill
+from miserver.engines.local.kv_cache import StaticKVCache
 from miserver.engines.local.llama_ops import (
     attention_inputs,
+    causal_attention,
     compile_forward,
+    ends_of,
+    masked_attention,
     project,
     project_all,
     rms_norm,
@@ -46,6 +51,7 @@ from miserver.engines.local.llama_ops import (
     rows_computed_alone,
     supported,
 )
+from miserver.engines.local.prefixes import PromptPrefixes
 from miserver.engines.local.slot_weights import (
     Layer,
     Matrix,
@@ -58,12 +64,6 @@ from miserver.engines.local.slot_weights import (
 from miserver.engines.local.steps import StepInterrupted
 
 log = logging.getLogger(__name__)
-
-#: Columns of a fresh cache (grown by doubling up to the context length).
-INITIAL_CAPACITY = 256
-#: Slots of a fresh cache (grown by doubling).
-INITIAL_SLOTS = 4
-
 
 #: How the decode step attends (see :class:`SlotModel`).
 AttentionKind = Literal["kernel", "sdpa"]
@@ -169,14 +169,13 @@ class SlotModel:
         self.prefill_weights: WeightLayout = "packed" if weights == "bfloat16" else weights
         self._cos, self._sin = rotary_table(model.model.rotary_emb, max_positions, device, dtype)
         self._lengths: dict[int, int] = {}
+        #: the prompts whose keys and values the slots hold, reused by later prompts (under the attention kernel)
+        self.prefixes = PromptPrefixes()
         #: row count -> whether a decode step of that many rows gives each row its bits alone (checked once)
         self._independent: dict[int, bool] = {}
         #: the row-wise operations' outputs of each check row alone (see :func:`rows_computed_alone`)
         self._alone_rows: list[tuple[torch.Tensor, ...]] = []
-        self._capacity = min(INITIAL_CAPACITY, max_positions)
-        self._slots = INITIAL_SLOTS
-        self._keys = [self._empty(self._slots, self._capacity) for _ in range(self.layers)]
-        self._values = [self._empty(self._slots, self._capacity) for _ in range(self.layers)]
+        self._kv = StaticKVCache(self.layers, self.kv_heads, self.head_dim, self.kv_dtype, device, max_positions)
 
     # --- the Slots protocol -----------------------------------------------------------------------------------------
 
@@ -194,13 +193,14 @@ class SlotModel:
         if self.own_prefill:
             return self._prefill_into([slot], [ids])[0]
         self.release(slot)
+        self.prefixes.forget(slot)
         logits, cache = prefill(self.model, ids)
-        self._reserve(slot, n)
+        self._kv.reserve(slot, n)
         for i, layer in enumerate(getattr(cache, "layers", [])):
             keys, values = layer.keys, layer.values
             assert keys is not None and values is not None  # [1, kv_heads, n, head_dim]
-            self._keys[i][slot, :, :n].copy_(keys[0])
-            self._values[i][slot, :, :n].copy_(values[0])
+            self._kv.keys[i][slot, :, :n].copy_(keys[0])
+            self._kv.values[i][slot, :, :n].copy_(values[0])
         self._lengths[slot] = n
         return logits
 
@@ -221,7 +221,7 @@ class SlotModel:
         """:meth:`_prefill` of checked ``prompts`` into ``slots`` (their old content dropped, room reserved)."""
         for slot, ids in zip(slots, prompts, strict=True):
             self.release(slot)
-            self._reserve(slot, int(ids.numel()))
+            self._kv.reserve(slot, int(ids.numel()))
         logits = self._prefill(prompts, slots)
         for slot, ids in zip(slots, prompts, strict=True):
             self._lengths[slot] = int(ids.numel())
@@ -230,11 +230,14 @@ class SlotModel:
     def fork(self, src: int, dst: int) -> None:
         """``dst`` gets a copy of ``src``'s cache (the other samples of one prompt)."""
         n = self._lengths[src]
-        self._reserve(dst, n)
-        for cache in (self._keys, self._values):
-            for layer in cache:
-                layer[dst, :, :n].copy_(layer[src, :, :n])
+        self._kv.reserve(dst, n)
+        self._kv.copy(src, dst, n)
         self._lengths[dst] = n
+        self.prefixes.copy(src, dst, n)
+
+    def forget_prompts(self) -> None:
+        """Stop reusing the prompts the slots hold (the weights may have been written)."""
+        self.prefixes.forget()
 
     def _check_prompt(self, ids: torch.Tensor) -> int:
         """The length of the prompt ``ids``; ``ValueError`` when it is empty or longer than the context."""
@@ -295,7 +298,7 @@ class SlotModel:
         for slot, n in zip(slots, lengths, strict=True):
             if n >= self.max_positions:
                 raise ValueError(f"slot {slot} is full: the context holds {self.max_positions} tokens")
-            self._reserve(slot, n + 1)
+            self._kv.reserve(slot, n + 1)
         logits = self._step(list(slots), list(tokens), lengths, stop)
         for slot, n in zip(slots, lengths, strict=True):
             self._lengths[slot] = n + 1
@@ -358,12 +361,14 @@ class SlotModel:
             if stop is not None and stop():
                 raise StepInterrupted(f"the decode step was given up before layer {i}")
             q, k, v = attention_inputs(hidden, layer, cos, sin, self.eps, self.heads, self.kv_heads)
-            self._keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
-            self._values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)
+            self._kv.keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
+            self._kv.values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)
             if kernel is not None:
-                attn = kernel(q, self._keys[i], self._values[i], slot_t, columns, self.scale)
+                attn = kernel(q, self._kv.keys[i], self._kv.values[i], slot_t, columns, self.scale)
             else:
-                attn = self._attend(i, q, row_t, lo, seen.shape[0], width, mask)  # [B, heads * head_dim]
+                keys = self._kv.keys[i][lo : lo + seen.shape[0], :, :width]  # [rows, kv_heads, width, head_dim], a view
+                values = self._kv.values[i][lo : lo + seen.shape[0], :, :width]
+                attn = masked_attention(q, keys, values, row_t, mask, self.scale)  # [B, heads * head_dim]
             hidden = hidden + project(attn, layer.o, layer.o_bias)
             gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
             hidden = hidden + project(F.silu(gate) * up, layer.down, None)
@@ -373,72 +378,57 @@ class SlotModel:
     def _prefill(self, prompts: list[torch.Tensor], slots: list[int]) -> list[torch.Tensor]:
         """The forward of ``prompts`` (each ``[n_i]``, at positions ``0 .. n_i - 1``) as the rows of one pass, each
         prompt attending causally to itself only, writing each layer's keys and values into its slot's first ``n_i``
-        columns; float32 logits ``[vocab]`` of each prompt's last position (the output head runs on those only)."""
-        lengths = [int(ids.shape[0]) for ids in prompts]
-        ids = torch.cat(prompts)  # [N]
-        positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
+        columns; float32 logits ``[vocab]`` of each prompt's last position (the output head runs on those only).
+
+        Under the attention kernel every position attends through it over its slot's cache columns, row by row, and a
+        prompt first takes the longest prefix that a slot's earlier prompt shares with it (``prefixes``; another
+        slot's columns are copied, its own slot's kept): only the positions after it are computed, with the same
+        bits as when they all are."""
+        quantized = self.quantized_rows > 0  # the prefill's products are row by row: any length
+        layers = self._copies.layers(self.prefill_weights, quantized=quantized)
+        kernel, starts = self._kernel, [0] * len(prompts)
+        if kernel is not None:
+            self.prefixes.check_weights(layers, self._table())
+            for j, (slot, ids) in enumerate(zip(slots, prompts, strict=True)):
+                donor, starts[j] = self.prefixes.longest(ids, exclude=set(slots) - {slot})
+                if donor != slot and starts[j]:
+                    self._kv.copy(donor, slot, starts[j])
+        for slot in slots:
+            self.prefixes.forget(slot)
+        lengths = [int(ids.shape[0]) - s for ids, s in zip(prompts, starts, strict=True)]
+        ids = torch.cat([p[s:] for p, s in zip(prompts, starts, strict=True)])  # [N]
+        device = ids.device
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths, strict=True)])
+        row_slots = torch.tensor(slots, device=device).repeat_interleave(torch.tensor(lengths, device=device))
         hidden = self._embed(ids)  # [N, hidden]
         cos, sin = self._cos[positions], self._sin[positions]
-        quantized = self.quantized_rows > 0  # the prefill's products are row by row: any length
-        for i, layer in enumerate(self._copies.layers(self.prefill_weights, quantized=quantized)):
+        for i, layer in enumerate(layers):
             q, k, v = attention_inputs(hidden, layer, cos, sin, self.eps, self.heads, self.kv_heads)
-            parts, start = [], 0
-            for slot, n in zip(slots, lengths, strict=True):
-                keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
-                self._keys[i][slot, :, :n] = keys  # [kv_heads, n, head_dim]
-                self._values[i][slot, :, :n] = values
-                queries = q[start : start + n].transpose(0, 1)  # [heads, n, head_dim]
-                attn = F.scaled_dot_product_attention(
-                    queries[None], keys[None], values[None], is_causal=True, enable_gqa=True
-                )  # [1, heads, n, head_dim]
-                parts.append(attn[0].transpose(0, 1).reshape(n, -1))
-                start += n
-            hidden = hidden + project(torch.cat(parts), layer.o, layer.o_bias)
+            if kernel is not None:
+                self._kv.keys[i][row_slots, :, positions] = k.to(self.kv_dtype)
+                self._kv.values[i][row_slots, :, positions] = v.to(self.kv_dtype)
+                attn = kernel(q, self._kv.keys[i], self._kv.values[i], row_slots, positions + 1, self.scale)
+            else:
+                attn = causal_attention(q, k, v, lengths)
+                for (slot, n), at in zip(zip(slots, lengths, strict=True), ends_of(lengths), strict=True):
+                    self._kv.keys[i][slot, :, :n] = k[at - n : at].transpose(0, 1)  # [kv_heads, n, head_dim]
+                    self._kv.values[i][slot, :, :n] = v[at - n : at].transpose(0, 1)
+            hidden = hidden + project(attn, layer.o, layer.o_bias)
             gate, up = project_all(rms_norm(hidden, layer.norm_post, self.eps), layer.gate_up)
             hidden = hidden + project(F.silu(gate) * up, layer.down, None)
-        ends = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
+        if kernel is not None:
+            for slot, p, s in zip(slots, prompts, starts, strict=True):
+                self.prefixes.record(slot, p, s)
+        ends = torch.tensor(lengths, device=device).cumsum(0) - 1
         last = rms_norm(hidden[ends], self._norm.weight, self._norm_eps)
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         matrix = self._copies.matrix(head.weight, self.prefill_weights, quantized=quantized)
         return list(project(last, matrix, head.bias).float())
 
-    def _attend(
-        self, i: int, q: torch.Tensor, row_t: torch.Tensor, lo: int, rows: int, width: int, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Grouped-query attention of the queries ``q`` (``[B, heads, head_dim]``, rotated, of the range rows
-        ``row_t``) over layer ``i``'s cache columns ``0 .. width - 1`` of slots ``lo .. lo + rows - 1``, hidden
-        where ``mask`` (``[rows, width]``) is True; returns ``[B, heads * head_dim]``."""
-        group = self.heads // self.kv_heads
-        keys = self._keys[i][lo : lo + rows, :, :width]  # [rows, kv_heads, width, head_dim], a view
-        values = self._values[i][lo : lo + rows, :, :width]
-        full = q.new_zeros((rows, self.kv_heads, group, self.head_dim))
-        full[row_t] = q.view(-1, self.kv_heads, group, self.head_dim)
-        # each kv head's query group as the query rows of one attention (one fused kernel; True attends)
-        out = F.scaled_dot_product_attention(full, keys, values, attn_mask=~mask[:, None, None, :], scale=self.scale)
-        return out[row_t].reshape(len(row_t), self.heads * self.head_dim)  # out: [rows, kv_heads, group, head_dim]
-
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self._table())
+
+    def _table(self) -> torch.Tensor:
         table = self.model.get_input_embeddings().weight
         assert isinstance(table, torch.Tensor)
-        return F.embedding(tokens, table)
-
-    # --- the cache --------------------------------------------------------------------------------------------------
-
-    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
-        return torch.zeros((slots, self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype, device=self.device)
-
-    def _reserve(self, slot: int, columns: int) -> None:
-        """Grow the cache (doubling) until it has row ``slot`` and ``columns`` columns."""
-        slots, capacity = self._slots, self._capacity
-        while slot >= slots:
-            slots *= 2
-        while columns > capacity:
-            capacity = min(capacity * 2, self.max_positions)
-        if (slots, capacity) == (self._slots, self._capacity):
-            return
-        for cache in (self._keys, self._values):
-            for i, old in enumerate(cache):
-                new = self._empty(slots, capacity)
-                new[: self._slots, :, : self._capacity].copy_(old)
-                cache[i] = new
-        self._slots, self._capacity = slots, capacity
+        return table
