@@ -82,6 +82,13 @@ class Metrics:
             "Tokens the resident engine has generated since it started (every sequence, every route)",
             registry=r,
         )
+        self.prompt_tokens = Gauge(
+            "miserver_engine_prompt_tokens",
+            "Prompt tokens the resident engine has prefilled since it started, by source: computed, or reused from a "
+            "prompt a cache slot held",
+            ["source"],
+            registry=r,
+        )
         self.webhook_events = Gauge("miserver_webhook_events", "Webhook outbox events by state", ["state"], registry=r)
         r.register(_DeliveryAttempts())
         self._busy_average: float | None = None
@@ -106,7 +113,8 @@ class Metrics:
 
     async def render(self, store: Store, gate: AdmissionGate, engine: object = None) -> bytes:
         """The text exposition of every series, refreshed now (``engine``: the resident engine, if any; an engine
-        that counts its tokens, as the local one does, feeds ``miserver_engine_generated_tokens``)."""
+        that counts its tokens, as the local one does, feeds ``miserver_engine_generated_tokens`` and
+        ``miserver_engine_prompt_tokens``)."""
         async with store.read() as conn:
             statuses = await store_operations.status_counts(conn)
             completed, failed = await store_operations.row_totals(conn)
@@ -128,6 +136,10 @@ class Metrics:
         generated = getattr(engine, "generated_tokens", None)
         if isinstance(generated, int):
             self.generated.set(generated)
+        prompt = getattr(engine, "prompt_tokens", None)
+        if isinstance(prompt, dict):
+            for source, count in prompt.items():
+                self.prompt_tokens.labels(source=source).set(count)
         return generate_latest(self.registry)
 
 

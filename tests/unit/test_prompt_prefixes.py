@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from miserver.engines.adapter import generation_request
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.prefixes import PromptPrefixes
@@ -183,3 +184,32 @@ def test_the_engine_forgets_the_prompts_after_work_on_the_model(tiny_model_dir: 
 
     n, held, after = asyncio.run(run())
     assert (held, after) == (n - 1, 0)
+
+
+def test_the_engine_counts_prompt_tokens_computed_and_reused(tiny_model_dir: Path) -> None:
+    """``LocalEngine.prompt_tokens`` (``miserver_engine_prompt_tokens`` on ``/metrics``): two chats with one system
+    prompt, the second copying the first's columns."""
+
+    async def run() -> tuple[dict[str, int], dict[str, int], int, int]:
+        engine = await LocalEngine.start(model=str(tiny_model_dir), served_model_name="tiny", device="cpu")
+        try:
+            prompts = [
+                engine.tokenize_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+                for q in QUESTIONS[:2]
+            ]
+            before = engine.prompt_tokens
+            for ids in prompts:
+                request = generation_request(
+                    ids, max_tokens=2, temperature=0.0, top_p=None, stop=None, seed=0, logprobs=None, n=1
+                )
+                await engine.generate(request)
+            # the engine's start prefilled the one-token prompt [pad_id]: the first chat may reuse it
+            common = shared_prefix(torch.tensor(prompts[0]), torch.tensor(prompts[1]))
+            common += int(prompts[0][0] == engine.pad_id)
+            return before, engine.prompt_tokens, common, len(prompts[0]) + len(prompts[1])
+        finally:
+            await engine.close()
+
+    before, after, common, total = asyncio.run(run())
+    assert after["reused"] - before["reused"] == common
+    assert after["computed"] - before["computed"] == total - common

@@ -187,6 +187,13 @@ class LocalEngine:
         return cls(loaded, served_id, max_sequences=max_sequences, batch_slots=batch_slots, decode=decode)
 
     @property
+    def prompt_tokens(self) -> dict[str, int]:
+        """Prompt tokens the step loop prefilled since the start: ``computed``, and ``reused`` (copied from a prompt a
+        slot held, see ``prefixes.PromptPrefixes``); empty where its cache reuses none."""
+        prefixes = getattr(self._steps.cache, "prefixes", None)
+        return {} if prefixes is None else {"computed": prefixes.computed, "reused": prefixes.reused}
+
+    @property
     def eos_ids(self) -> frozenset[int]:
         """The token ids that end a sequence (``"stop"``, not returned)."""
         return self._eos_ids
