@@ -1,4 +1,5 @@
-"""``miserver batch watch`` / ``batch run``'s progress bar (``cli.batch.wait_for_batch``) over a fake client."""
+"""``miserver batch watch`` / ``batch run``'s progress (``cli.batch.wait_for_batch``) over a fake client: a bar on a
+terminal, lines elsewhere."""
 
 from __future__ import annotations
 
@@ -24,8 +25,21 @@ class FakeBatches:
 
 def test_a_batch_joined_half_way_shows_no_rate_for_the_rows_done_before(capsys: pytest.CaptureFixture[str]) -> None:
     client = SimpleNamespace(batches=FakeBatches([("in_progress", 29, 1), ("completed", 63, 1)]))
-    done = wait_for_batch(client, "batch_x", poll=0)
+    done = wait_for_batch(client, "batch_x", poll=0, terminal=True)
     assert done.status == "completed"
     frames = [f for f in capsys.readouterr().err.split("\r") if "/64" in f]
     assert "30/64" in frames[0] and "?row/s" in frames[0], frames[0]  # the 30 rows already done are not a rate
     assert "64/64" in frames[-1]
+
+
+def test_a_pipe_gets_a_line_per_change_and_no_bar_frames(capsys: pytest.CaptureFixture[str]) -> None:
+    states = [("validating", 0, 0), ("in_progress", 10, 0), ("in_progress", 10, 0), ("completed", 62, 2)]
+    client = SimpleNamespace(batches=FakeBatches(states))
+    wait_for_batch(client, "batch_x", poll=0, terminal=False)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert err.splitlines() == [
+        "validating 0/64 rows done (0 completed, 0 failed)",
+        "in_progress 10/64 rows done (10 completed, 0 failed)",
+        "completed 64/64 rows done (62 completed, 2 failed)",
+    ]

@@ -73,18 +73,35 @@ def _eta_text(b: Any) -> str:
 SHOWN_ERRORS = 5
 
 
-def wait_for_batch(client: Any, batch_id: str, *, poll: float = 0.5, show: bool = True) -> Any:
-    """Poll until the batch is terminal, with a tqdm progress bar over ``request_counts``; its rate counts the rows
-    that finished while it watched (a batch joined half-way starts the bar there)."""
+def rows_text(counts: Any) -> str:
+    """``30/64 rows done (29 completed, 1 failed)`` of a batch's ``request_counts``."""
+    done = counts.completed + counts.failed
+    return f"{done}/{counts.total} rows done ({counts.completed} completed, {counts.failed} failed)"
+
+
+def wait_for_batch(
+    client: Any, batch_id: str, *, poll: float = 0.5, show: bool = True, terminal: bool | None = None
+) -> Any:
+    """Poll until the batch is terminal, showing its progress on standard error: on a ``terminal`` (None: whether
+    standard error is one) a tqdm progress bar over ``request_counts``, whose rate counts the rows that finished
+    while it watched (a batch joined half-way starts the bar there); elsewhere (a pipe, a log file) a line each time
+    the status or the rows done change."""
     from tqdm import tqdm
 
-    bar = tqdm(total=0, unit="row", disable=not show, file=sys.stderr, dynamic_ncols=True)
-    first = True
+    if terminal is None:
+        terminal = sys.stderr.isatty()
+    bar = tqdm(total=0, unit="row", disable=not (show and terminal), file=sys.stderr, dynamic_ncols=True)
+    first, last = True, ""
     try:
         while True:
             b = client.batches.retrieve(batch_id)
             counts = b.request_counts
-            if counts is not None:
+            if counts is not None and show and not terminal:
+                line = f"{b.status} {rows_text(counts)}"
+                if line != last:
+                    click.echo(f"{line}{_eta_text(b)}", err=True)
+                    last = line
+            elif counts is not None:
                 bar.total = counts.total
                 bar.n = counts.completed + counts.failed
                 if first:
@@ -170,7 +187,7 @@ def batch_watch(batch_id: str, url: str) -> None:
 @url_option
 @client_errors
 def batch_list(limit: int, url: str) -> None:
-    """List batches, newest first: id, status, rows done of total, failed, and the ETA or why it waits.
+    """List batches, newest first: id, status, rows done of total (completed, failed), and the ETA or why it waits.
 
     \b
     Example:
@@ -179,8 +196,7 @@ def batch_list(limit: int, url: str) -> None:
     page = _client(url).batches.list(limit=limit)
     for b in page.data:
         counts = b.request_counts
-        done = f"{counts.completed + counts.failed}/{counts.total} failed={counts.failed}" if counts else "-"
-        click.echo(f"{b.id}  {b.status:<11} {done}{_eta_text(b)}")
+        click.echo(f"{b.id}  {b.status:<11} {rows_text(counts) if counts else '-'}{_eta_text(b)}")
 
 
 def _post(url: str, path: str) -> Any:
