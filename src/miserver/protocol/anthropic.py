@@ -197,9 +197,9 @@ class ToolUseBlock(ResponseModel):
 
 
 class MessageUsage(ResponseModel):
-    """``usage`` of a Message: tokens in the prompt and generated; no prompt cache here, so
-    ``cache_creation_input_tokens`` and ``cache_read_input_tokens`` are 0 (a ``cache_control`` breakpoint is
-    accepted without effect)."""
+    """``usage`` of a Message: tokens in the prompt and generated; ``cache_creation_input_tokens`` and
+    ``cache_read_input_tokens`` are 0, every prompt token counted and priced alike (see
+    ``common.PromptTokensDetails``; a ``cache_control`` breakpoint is accepted without effect)."""
 
     input_tokens: int
     output_tokens: int
@@ -265,7 +265,7 @@ class MessageDelta(ResponseModel):
 
 class MessageDeltaUsage(ResponseModel):
     """The stream's final counts (tokens): ``input_tokens`` too, as Anthropic's API reports them cumulatively; the
-    prompt cache counts are 0 (no prompt cache here), as in the Message's ``usage``."""
+    prompt cache counts are 0, as in the Message's ``usage``."""
 
     input_tokens: int
     output_tokens: int

@@ -2,7 +2,8 @@
 level, on a content block (of ``messages`` or ``system``) and on a tool.
 
 By Anthropic's definition a breakpoint changes nothing in the answer, only what a later request may read from a
-cache. There is no prompt cache here: a well-formed breakpoint is accepted without effect (``usage`` reports
+cache. The resident engine reuses shared prompt prefixes by itself, breakpoint or not, and counts every prompt token
+alike: a well-formed breakpoint is accepted without effect (``usage`` reports
 ``cache_creation_input_tokens`` and ``cache_read_input_tokens`` as 0); any other value is 400 ``invalid_value``
 naming the field (``messages[0].content[1].cache_control``), in both modes, as Anthropic refuses it.
 """

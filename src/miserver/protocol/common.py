@@ -53,7 +53,9 @@ def param_path(loc: tuple[int | str, ...]) -> str:
 
 
 class PromptTokensDetails(ResponseModel):
-    """OpenAI's ``usage.prompt_tokens_details``: no prompt cache and no audio here, so zeros."""
+    """OpenAI's ``usage.prompt_tokens_details``: zeros. No audio here; the resident engine does reuse the keys and
+    values of prompt prefixes it holds, with the same bits, but every prompt token is counted and priced alike, so
+    none is reported as cached (vLLM's default too)."""
 
     cached_tokens: int = 0
     audio_tokens: int = 0

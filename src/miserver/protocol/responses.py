@@ -311,7 +311,7 @@ class OutputFunctionCall(ResponseModel):
 
 
 class InputTokensDetails(ResponseModel):
-    """No prompt cache here: zeros."""
+    """Zeros: every prompt token is counted and priced alike (see ``common.PromptTokensDetails``)."""
 
     cached_tokens: int = 0
     cache_write_tokens: int = 0
