@@ -85,7 +85,8 @@ def poll(client: openai.OpenAI, batch_id: str, interval: float) -> tuple[Any, fl
                 if total:
                     bar.total = total
                     bar.n = done
-                bar.set_postfix_str(f"{batch.status} failed={counts.failed if counts else 0}", refresh=False)
+                ended = f"{counts.completed} completed, {counts.failed} failed" if counts else "0 completed, 0 failed"
+                bar.set_postfix_str(f"{batch.status} {ended}", refresh=False)
                 bar.refresh()
                 quarter = 4 * done // total if total else 0
                 if not terminal and (batch.status, quarter) != logged:

@@ -29,7 +29,7 @@ def test_a_batch_joined_half_way_shows_no_rate_for_the_rows_done_before(capsys: 
     assert done.status == "completed"
     frames = [f for f in capsys.readouterr().err.split("\r") if "/64" in f]
     assert "30/64" in frames[0] and "?row/s" in frames[0], frames[0]  # the 30 rows already done are not a rate
-    assert "64/64" in frames[-1]
+    assert "64/64" in frames[-1] and "63 completed, 1 failed" in frames[-1], frames[-1]
 
 
 def test_a_pipe_gets_a_line_per_change_and_no_bar_frames(capsys: pytest.CaptureFixture[str]) -> None:

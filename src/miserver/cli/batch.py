@@ -106,7 +106,7 @@ def wait_for_batch(
                 bar.n = counts.completed + counts.failed
                 if first:
                     bar.initial, first = bar.n, False
-                bar.set_postfix_str(f"{b.status} failed={counts.failed}{_eta_text(b)}")
+                bar.set_postfix_str(f"{b.status} {counts.completed} completed, {counts.failed} failed{_eta_text(b)}")
                 bar.refresh()
             if b.status in TERMINAL:
                 return b
