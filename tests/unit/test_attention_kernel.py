@@ -99,6 +99,33 @@ def test_a_row_gets_the_same_bits_alone_or_in_company(kernel: attention.DecodeAt
         assert torch.equal(alone[0], together[r])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "views"])
+def test_the_kernel_writes_each_rows_key_and_value_first(
+    kernel: attention.DecodeAttention, dtype: torch.dtype, layout: str
+) -> None:
+    """Given each row's own key and value, the kernel writes them into column ``seen - 1`` of its slot, rounded as
+    ``Tensor.to`` rounds (ties to even included), before any row attends: the same cache and the same attention as
+    writing with torch first. Two rows of one slot (a prompt's) see each other's columns."""
+    q, keys, values, slot, seen = random_step(6, 9, 3, 64, dtype)
+    slot[1], seen[1], slot[2], seen[2] = slot[0], 7, slot[0], 8  # a prompt: rows at columns 6 and 7 of one slot
+    generator = torch.Generator().manual_seed(5)
+    fused = torch.randn(6, 9 + 3 + 3, 64, generator=generator)  # as the step's fused projection gives them
+    fused[0, 9, :4] = torch.tensor([1.00390625, 1.01171875, -2.0078125, 3.0e-39])  # bfloat16 ties and a subnormal
+    k, v = fused[:, 9:12], fused[:, 12:]
+    if layout == "contiguous":
+        k, v = k.contiguous(), v.contiguous()
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys[slot, :, seen - 1] = k.to(dtype)
+    expected_values[slot, :, seen - 1] = v.to(dtype)
+    expected = kernel(q, expected_keys, expected_values, slot, seen, 0.125)
+    got = kernel(q, keys, values, slot, seen, 0.125, k, v)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(keys.view(bits), expected_keys.view(bits))
+    assert torch.equal(values.view(bits), expected_values.view(bits))
+    assert torch.equal(got, expected)
+
+
 def test_a_shape_the_kernel_does_not_cover_is_refused(kernel: attention.DecodeAttention) -> None:
     assert not attention.DecodeAttention.covers(4, 2, 272, torch.float32, torch.device("cpu"))
     assert not attention.DecodeAttention.covers(17, 1, 64, torch.float32, torch.device("cpu"))

@@ -7,6 +7,10 @@
  *   slot    [rows]  (int64)                   the cache slot of each row
  *   seen    [rows]  (int64)                   the columns 0 .. seen - 1 each row attends to (1 <= seen <= capacity)
  *   out     [rows, heads, head_dim]           softmax(q k^T * scale) v of each query head
+ *   k, v    [rows, kv_heads, head_dim]        (float32, optional, rows k_stride and v_stride floats apart) each
+ *                                             row's own key and value, written into column
+ *                                             seen - 1 of its slot (as bfloat16 for a bfloat16 cache: rounded to
+ *                                             nearest, ties to even, as torch converts) before any row attends
  *
  * Query head h reads kv head h / (heads / kv_heads), as transformers' repeat_kv. One task is one (row, kv head)
  * pair: it loads each of that pair's key and value columns once for the whole query group, in column order, and
@@ -26,6 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_GROUP 16
 #define LANES 16
@@ -174,11 +179,30 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
             attend_one(q + at, k, v, o, (G), (D), seen[row], scale, scores, 0);                                \
     } while (0)
 
-int miserver_decode_attention(const float *q, const void *keys, const void *values, const int64_t *slot,
-                              const int64_t *seen, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
-                              int64_t capacity, int64_t head_dim, float scale, int threads, int bf16) {
+static inline uint16_t to_bfloat16(const float x) {
+    /* x rounded to the nearest bfloat16, ties to even (torch's conversion); a NaN gives a NaN */
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline void write_column(const float *from, void *cache, const int64_t at, const int64_t head_dim,
+                                const int bf16) {
+    /* head_dim floats into the cache from element at */
+    if (bf16)
+        for (int64_t i = 0; i < head_dim; i++) ((uint16_t *)cache)[at + i] = to_bfloat16(from[i]);
+    else
+        memcpy((float *)cache + at, from, (size_t)head_dim * sizeof(float));
+}
+
+int miserver_decode_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                              const int64_t *slot, const int64_t *seen, float *out, int64_t k_stride,
+                              int64_t v_stride, int64_t rows, int64_t heads, int64_t kv_heads, int64_t capacity,
+                              int64_t head_dim, float scale, int threads, int bf16) {
     /* 0 on success; 1 when scratch memory could not be had, 2 for a query group over MAX_GROUP or a head_dim over
-       LANES * MAX_CHUNKS (out undefined) */
+       LANES * MAX_CHUNKS (out undefined, nothing written); k_new and v_new NULL: nothing is written, else row r's
+       kv head h starts at element r * k_stride + h * head_dim of k_new (v_stride: of v_new) */
     const int64_t group = heads / kv_heads;
     const int64_t tasks = rows * kv_heads;
     const size_t element = bf16 ? 2 : 4;
@@ -186,6 +210,15 @@ int miserver_decode_attention(const float *q, const void *keys, const void *valu
     if (group > MAX_GROUP || head_dim > LANES * MAX_CHUNKS) return 2;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
+        if (k_new != NULL && v_new != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tasks; t++) { /* every column is written before any row attends (the barrier) */
+                const int64_t row = t / kv_heads, h = t % kv_heads;
+                const int64_t at = ((slot[row] * kv_heads + h) * capacity + seen[row] - 1) * head_dim;
+                write_column(k_new + row * k_stride + h * head_dim, keys, at, head_dim, bf16);
+                write_column(v_new + row * v_stride + h * head_dim, values, at, head_dim, bf16);
+            }
+        }
         float *scores = malloc((size_t)(group * (capacity + LANES)) * sizeof(float));
         if (scores == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)

@@ -31,7 +31,7 @@ class DecodeAttention:
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.miserver_decode_attention
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [pointer] * 8 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -56,10 +56,15 @@ class DecodeAttention:
         slot: torch.Tensor,
         seen: torch.Tensor,
         scale: float,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of ``q`` (``[rows, heads, head_dim]``, float32) over one layer's cache ``keys`` and ``values``
         (``[slots, kv_heads, capacity, head_dim]``, float32 or bfloat16, contiguous), row ``r`` over the first
-        ``seen[r]`` columns of slot ``slot[r]`` (both ``[rows]``, int64, ``1 <= seen <= capacity``); returns
+        ``seen[r]`` columns of slot ``slot[r]`` (both ``[rows]``, int64, ``1 <= seen <= capacity``), after each row's
+        own key and value ``k`` and ``v`` (``[rows, kv_heads, head_dim]``, float32), when given, are written into its
+        column ``seen[r] - 1`` (rounded as ``Tensor.to`` rounds into a bfloat16 cache; rows of one slot must write
+        distinct columns); returns
         ``[rows, heads * head_dim]`` float32. Raises ``MemoryError`` when the kernel cannot allocate its scratch,
         ``ValueError`` for a shape :meth:`covers` refuses."""
         q = q.contiguous()
@@ -68,14 +73,19 @@ class DecodeAttention:
         assert keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape
         assert keys.dtype == values.dtype and keys.dtype in (torch.float32, torch.bfloat16) and q.dtype == torch.float32
         assert slot.dtype == torch.long and seen.dtype == torch.long and slot.is_contiguous() and seen.is_contiguous()
+        own = [_rows_of(x, rows, kv_heads, head_dim) for x in (k, v)] if k is not None and v is not None else None
         out = torch.empty_like(q)
         failed = self._fn(
             q.data_ptr(),
+            own[0].data_ptr() if own else None,
+            own[1].data_ptr() if own else None,
             keys.data_ptr(),
             values.data_ptr(),
             slot.data_ptr(),
             seen.data_ptr(),
             out.data_ptr(),
+            own[0].stride(0) if own else 0,
+            own[1].stride(0) if own else 0,
             rows,
             heads,
             kv_heads,
@@ -93,6 +103,15 @@ class DecodeAttention:
         if failed:
             raise MemoryError("the decode attention kernel could not allocate its scores")
         return out.view(rows, heads * head_dim)
+
+
+def _rows_of(x: torch.Tensor, rows: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``x`` (``[rows, kv_heads, head_dim]`` float32) with each row's elements contiguous (a copy only when they
+    are not), for the kernel, which steps from row to row by ``stride(0)``."""
+    assert x.shape == (rows, kv_heads, head_dim) and x.dtype == torch.float32
+    if x.stride(2) == 1 and (x.stride(1) == head_dim or kv_heads == 1):
+        return x
+    return x.contiguous()
 
 
 def load(folder: Path | None = None) -> DecodeAttention | None:

@@ -72,9 +72,9 @@ def attention_inputs(
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The queries and keys, rotated, and the values of ``hidden`` (``[rows, hidden]``) through ``layer``'s input
-    RMSNorm (``eps``) and query-key-value projections, at the positions of ``cos`` and ``sin`` (``[rows,
-    head_dim]``): ``[rows, heads, head_dim]``, ``[rows, kv_heads, head_dim]`` twice. From one fused product, the
-    queries and keys (neighbours in its output) are rotated as one tensor."""
+    RMSNorm (``eps``) and query-key-value projections, at the positions of ``cos`` and ``sin`` (``[rows, 1,
+    head_dim]``, see :func:`rotary_table`): ``[rows, heads, head_dim]``, ``[rows, kv_heads, head_dim]`` twice. From
+    one fused product, the queries and keys (neighbours in its output) are rotated as one tensor."""
     rows, dim = hidden.shape[0], cos.shape[-1]
     x = rms_norm(hidden, layer.norm_in, eps)
     if len(layer.qkv.matrices) == 1:
@@ -131,24 +131,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` (``[B, heads, head_dim]``) at each row's position (``cos``, ``sin``: ``[B,
-    head_dim]``), as transformers' ``apply_rotary_pos_emb``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos[:, None, :]) + (rotated * sin[:, None, :])
+    """Rotary embedding of ``x`` (``[B, heads, head_dim]``) at each row's position, ``cos`` and ``sin`` (``[B, 1,
+    head_dim]``) as :func:`rotary_table` gives them: the bits of transformers' ``apply_rotary_pos_emb``, whose
+    ``x * cos + cat(-x2, x1) * sin`` (``x1``, ``x2`` the halves of ``x``) is ``x * cos + cat(x2, x1) * cat(-sin1,
+    sin2)`` exactly (a product's sign moves from one factor to the other without rounding), in three operations
+    fewer."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def rotary_table(
     rotary: Any, positions: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` (``[positions, head_dim]``, ``dtype``) of every position 0 .. ``positions - 1`` for the model's
-    rotary module (its ``inv_freq`` and ``attention_scaling``), computed as transformers computes one position (the
-    same float operations)."""
+    """``(cos, sin)`` (``[positions, 1, head_dim]``, ``dtype``) of every position 0 .. ``positions - 1`` for the
+    model's rotary module (its ``inv_freq`` and ``attention_scaling``), computed as transformers computes one position
+    (the same float operations), the first half of each ``sin`` negated for :func:`rotate`."""
     at = torch.arange(positions, device=device).float()
     freqs = at[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     scale = rotary.attention_scaling
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    half = sin.shape[-1] // 2
+    sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos[:, None, :], sin[:, None, :]
 
 
 def rows_computed_alone(

@@ -353,7 +353,7 @@ class SlotModel:
         raises ``StepInterrupted`` when ``stop()`` is true before a layer."""
         row_t = slot_t - lo
         hidden = self._embed(tokens)  # [B, hidden]
-        cos, sin = self._cos[pos_t], self._sin[pos_t]  # [B, head_dim]
+        cos, sin = self._cos[pos_t], self._sin[pos_t]  # [B, 1, head_dim]
         kernel = self._kernel
         columns = pos_t + 1  # [B]: each row's own columns (the kernel's)
         mask = torch.arange(width, device=tokens.device)[None, :] >= seen[:, None]  # [rows, width]: True is hidden
@@ -361,11 +361,11 @@ class SlotModel:
             if stop is not None and stop():
                 raise StepInterrupted(f"the decode step was given up before layer {i}")
             q, k, v = attention_inputs(hidden, layer, cos, sin, self.eps, self.heads, self.kv_heads)
-            self._kv.keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
-            self._kv.values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)
-            if kernel is not None:
-                attn = kernel(q, self._kv.keys[i], self._kv.values[i], slot_t, columns, self.scale)
+            if kernel is not None:  # the kernel writes the step's keys and values into the cache first
+                attn = kernel(q, self._kv.keys[i], self._kv.values[i], slot_t, columns, self.scale, k, v)
             else:
+                self._kv.keys[i][slot_t, :, pos_t] = k.to(self.kv_dtype)
+                self._kv.values[i][slot_t, :, pos_t] = v.to(self.kv_dtype)
                 keys = self._kv.keys[i][lo : lo + seen.shape[0], :, :width]  # [rows, kv_heads, width, head_dim], a view
                 values = self._kv.values[i][lo : lo + seen.shape[0], :, :width]
                 attn = masked_attention(q, keys, values, row_t, mask, self.scale)  # [B, heads * head_dim]
@@ -402,12 +402,11 @@ class SlotModel:
         row_slots = torch.tensor(slots, device=device).repeat_interleave(torch.tensor(lengths, device=device))
         hidden = self._embed(ids)  # [N, hidden]
         cos, sin = self._cos[positions], self._sin[positions]
+        seen = positions + 1  # [N]: the columns each row attends to, its own the last
         for i, layer in enumerate(layers):
             q, k, v = attention_inputs(hidden, layer, cos, sin, self.eps, self.heads, self.kv_heads)
             if kernel is not None:
-                self._kv.keys[i][row_slots, :, positions] = k.to(self.kv_dtype)
-                self._kv.values[i][row_slots, :, positions] = v.to(self.kv_dtype)
-                attn = kernel(q, self._kv.keys[i], self._kv.values[i], row_slots, positions + 1, self.scale)
+                attn = kernel(q, self._kv.keys[i], self._kv.values[i], row_slots, seen, self.scale, k, v)
             else:
                 attn = causal_attention(q, k, v, lengths)
                 for (slot, n), at in zip(zip(slots, lengths, strict=True), ends_of(lengths), strict=True):
