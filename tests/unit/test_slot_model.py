@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from miserver.engines.local import kv_cache
 from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.hf_cache import HFSlots
-from miserver.engines.local.llama_ops import supported
+from miserver.engines.local.llama_ops import rms_norm, rotary_table, rotate, supported
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
 from miserver.engines.local.slot_weights import WEIGHT_LAYOUTS, WeightLayout, bfloat16_available
 from miserver.engines.local.slots import SlotModel
@@ -37,6 +38,28 @@ def loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 #: The layouts that multiply in the model's own dtype (float32 here).
 FULL_PRECISION = [w for w in WEIGHT_LAYOUTS if w != "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_row_wise_operations_have_the_bits_of_transformers(dtype: torch.dtype) -> None:
+    """RMSNorm and the rotary embedding (a roll and a sine table with its first half negated) give the bits of
+    transformers' ``LlamaRMSNorm`` and ``apply_rotary_pos_emb``, for every row count a step or prefill has."""
+    generator = torch.Generator().manual_seed(3)
+    config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512)
+    rotary = LlamaRotaryEmbedding(config)
+    cos_table, sin_table = rotary_table(rotary, 512, torch.device("cpu"), dtype)
+    for rows in (1, 2, 3, 8, 17, 64):
+        scales = 10 ** (torch.rand(rows, 1, generator=generator) * 4 - 3)  # where eps matters, and where not
+        x = (torch.randn(rows, 576, generator=generator) * scales).to(dtype)
+        norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+        norm.weight.data = torch.randn(576, generator=generator).to(dtype)
+        assert torch.equal(rms_norm(x, norm.weight, 1e-5), norm(x))
+        positions = torch.randint(0, 512, (rows,), generator=generator)
+        q = torch.randn(rows, 12, 64, generator=generator).to(dtype)  # queries and keys as one tensor
+        cos, sin = rotary(q, positions[None])  # [1, rows, 64]
+        want, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos, sin)
+        got = rotate(q, cos_table[positions], sin_table[positions])
+        assert torch.equal(got, want[0].transpose(0, 1))
 
 
 def test_the_tiny_model_is_covered(loaded: LoadedModel) -> None:

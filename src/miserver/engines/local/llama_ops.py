@@ -56,9 +56,7 @@ def project_all(x: torch.Tensor, group: Projections) -> list[torch.Tensor]:
     """Each projection of ``group`` applied to ``x`` (``[rows, in]``): ``[rows, size]`` per projection, in order; a
     fused group is one product, split along its outputs (views)."""
     if len(group.matrices) == 1:
-        y = project(x, group.matrices[0], group.biases[0])
-        starts = [sum(group.sizes[:i]) for i in range(len(group.sizes))]
-        return [y.narrow(-1, start, size) for start, size in zip(starts, group.sizes, strict=True)]
+        return list(project(x, group.matrices[0], group.biases[0]).split_with_sizes(list(group.sizes), -1))
     return [project(x, m, b) for m, b in zip(group.matrices, group.biases, strict=True)]
 
 
@@ -79,8 +77,9 @@ def attention_inputs(
     x = rms_norm(hidden, layer.norm_in, eps)
     if len(layer.qkv.matrices) == 1:
         y = project(x, layer.qkv.matrices[0], layer.qkv.biases[0])  # [rows, (heads + 2 kv_heads) * dim]
-        qk = rotate(y[:, : (heads + kv_heads) * dim].reshape(rows, heads + kv_heads, dim), cos, sin)
-        return qk[:, :heads], qk[:, heads:], y[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
+        qk, v = y.view(rows, heads + 2 * kv_heads, dim).split_with_sizes([heads + kv_heads, kv_heads], 1)
+        q, k = rotate(qk, cos, sin).split_with_sizes([heads, kv_heads], 1)
+        return q, k, v
     q, k, v = project_all(x, layer.qkv)
     q = rotate(q.reshape(rows, heads, dim), cos, sin)
     k = rotate(k.reshape(rows, kv_heads, dim), cos, sin)
@@ -120,11 +119,12 @@ def ends_of(lengths: Sequence[int]) -> list[int]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm of ``x`` (``[..., hidden]``), the operations of transformers' ``LlamaRMSNorm`` in order (its
-    casts to and from float32 skipped for a float32 ``x``: the same bits)."""
+    """Llama's RMSNorm of ``x`` (``[..., hidden]``), the operations of transformers' ``LlamaRMSNorm`` in order; a
+    float32 ``x`` through torch's own ``rms_norm``, which runs the same operations (the same bits) with less
+    overhead a call."""
     dtype = x.dtype
     if dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
