@@ -7,10 +7,10 @@
  *   slot    [rows]  (int64)                   the cache slot of each row
  *   seen    [rows]  (int64)                   the columns 0 .. seen - 1 each row attends to (1 <= seen <= capacity)
  *   out     [rows, heads, head_dim]           softmax(q k^T * scale) v of each query head
- *   k, v    [rows, kv_heads, head_dim]        (float32, optional, rows k_stride and v_stride floats apart) each
- *                                             row's own key and value, written into column
- *                                             seen - 1 of its slot (as bfloat16 for a bfloat16 cache: rounded to
- *                                             nearest, ties to even, as torch converts) before any row attends
+ *   k, v    [rows, kv_heads, head_dim]        (float32, optional; rows k_stride and v_stride floats apart) each
+ *                                             row's own key and value, written into column seen - 1 of its slot
+ *                                             before any row attends (into a bfloat16 cache rounded to nearest,
+ *                                             ties to even, as torch converts)
  *
  * Query head h reads kv head h / (heads / kv_heads), as transformers' repeat_kv. One task is one (row, kv head)
  * pair: it loads each of that pair's key and value columns once for the whole query group, in column order, and

@@ -64,9 +64,8 @@ class DecodeAttention:
         ``seen[r]`` columns of slot ``slot[r]`` (both ``[rows]``, int64, ``1 <= seen <= capacity``), after each row's
         own key and value ``k`` and ``v`` (``[rows, kv_heads, head_dim]``, float32), when given, are written into its
         column ``seen[r] - 1`` (rounded as ``Tensor.to`` rounds into a bfloat16 cache; rows of one slot must write
-        distinct columns); returns
-        ``[rows, heads * head_dim]`` float32. Raises ``MemoryError`` when the kernel cannot allocate its scratch,
-        ``ValueError`` for a shape :meth:`covers` refuses."""
+        distinct columns); returns ``[rows, heads * head_dim]`` float32. Raises ``MemoryError`` when the kernel
+        cannot allocate its scratch, ``ValueError`` for a shape :meth:`covers` refuses."""
         q = q.contiguous()
         rows, heads, head_dim = q.shape
         _, kv_heads, capacity, _ = keys.shape
