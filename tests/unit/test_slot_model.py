@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from miserver.engines.local import kv_cache
+from miserver.engines.local import kv_cache, slot_weights
 from miserver.engines.local import slots as slots_module
 from miserver.engines.local.decoding import DecodeOptions, make_slots
 from miserver.engines.local.hf_cache import HFSlots
@@ -300,6 +300,38 @@ def test_weight_copies_follow_weight_writes(loaded: LoadedModel, weights: Weight
             weight.copy_(kept)
     assert not torch.allclose(before[1:], written[1:], atol=1e-4)
     assert torch.equal(written, fresh)
+
+
+def test_a_replaced_weight_is_seen_at_the_next_step(loaded: LoadedModel) -> None:
+    """A weight replaced by another tensor (a new Parameter, not a write into the old one) is seen at the next step;
+    the check reads the modules' own dictionaries, and a module that keeps its weight elsewhere (a parametrization)
+    is checked through its attributes instead, with the same result."""
+    linear = loaded.model.model.layers[1].mlp.gate_proj
+    kept = linear.weight
+    ids = ids_of(loaded, PROMPTS[1])
+    with torch.inference_mode():
+        cache = SlotModel(loaded.model, max_positions=512, weights="transposed")
+        _, before = greedy(cache, 0, ids, 4)
+    copies = cache._copies
+    try:
+        linear.weight = torch.nn.Parameter(kept.detach() * 3.0, requires_grad=False)
+        with torch.inference_mode():
+            _, replaced = greedy(cache, 0, ids, 4)
+            _, fresh = greedy(SlotModel(loaded.model, max_positions=512, weights="transposed"), 0, ids, 4)
+        assert not torch.allclose(before[1:], replaced[1:], atol=1e-4)
+        assert torch.equal(replaced, fresh)
+        plain = copies._stamp()
+        torch.nn.utils.parametrize.register_parametrization(linear, "weight", torch.nn.Identity())
+        with pytest.raises(KeyError):
+            slot_weights._layer_tensors(loaded.model.model.layers)
+        assert copies._stamp() == plain  # through the attributes, which give the same tensors here
+    finally:
+        if torch.nn.utils.parametrize.is_parametrized(linear):
+            torch.nn.utils.parametrize.remove_parametrizations(linear, "weight", leave_parametrized=False)
+        linear.weight = kept
+    assert copies._stamp() == [
+        (id(t), t.data_ptr(), 0 if t.is_inference() else t._version) for t in copies._layer_attributes()
+    ]
 
 
 def test_a_failing_compiled_step_falls_back_to_eager(

@@ -159,6 +159,27 @@ class Layer:
     down: Matrix
 
 
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _layer_tensors(layers: torch.nn.ModuleList) -> list[torch.Tensor]:
+    """The norm weights, then each projection's weight and bias (when it has one), of every decoder layer, read from
+    the modules' ``_modules`` and ``_parameters`` dictionaries: what attribute access returns for modules that keep
+    them there. Raises ``KeyError`` for a module that keeps one elsewhere."""
+    out: list[torch.Tensor] = []
+    for layer in layers:
+        modules = layer._modules
+        attention, mlp = modules["self_attn"]._modules, modules["mlp"]._modules  # type: ignore[union-attr]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out.append(modules[norm]._parameters["weight"])  # type: ignore[union-attr,arg-type]
+        for owner, names in ((attention, _ATTENTION), (mlp, _MLP)):
+            for name in names:
+                parameters = owner[name]._parameters  # type: ignore[union-attr]
+                out += [t for t in (parameters["weight"], parameters["bias"]) if t is not None]
+    return out
+
+
 class WeightCopies:
     """The layer tensors and matrices of ``model`` in each layout, the copies kept between steps (one per parameter,
     or stack of parameters, and layout) and remade at the next use after a weight write. ``products`` is the
@@ -187,8 +208,18 @@ class WeightCopies:
 
     def _stamp(self) -> list[tuple[int, int, int]]:
         """``(id, data_ptr, version)`` of every tensor :meth:`layers` reads (an inference tensor's version as 0:
-        it keeps none, and the layers hold views of it, which see its writes)."""
-        stamp = []
+        it keeps none, and the layers hold views of it, which see its writes). The tensors are found through the
+        modules' own dictionaries (a fifth of the cost of attribute access, which this runs at every step), or through
+        their attributes where a module keeps one elsewhere (a parametrized weight, say)."""
+        try:
+            tensors = _layer_tensors(self.model.model.layers)
+        except KeyError:
+            tensors = self._layer_attributes()
+        return [(id(t), t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors]
+
+    def _layer_attributes(self) -> list[torch.Tensor]:
+        """The tensors of :meth:`_stamp`, by attribute."""
+        out = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -202,10 +233,8 @@ class WeightCopies:
                 mlp.down_proj,
             ):
                 tensors += [linear.weight, linear.bias]
-            for t in tensors:
-                if t is not None:
-                    stamp.append((id(t), t.data_ptr(), 0 if t.is_inference() else t._version))
-        return stamp
+            out += [t for t in tensors if t is not None]
+        return out
 
     def _read_layers(self, layout: WeightLayout, quantized: bool) -> list[Layer]:
         """:meth:`layers`, read from the model."""
