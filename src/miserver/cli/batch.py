@@ -73,10 +73,14 @@ def _eta_text(b: Any) -> str:
 SHOWN_ERRORS = 5
 
 
+def ended_text(counts: Any) -> str:
+    """``29 completed, 1 failed`` of a batch's ``request_counts``."""
+    return f"{counts.completed} completed, {counts.failed} failed"
+
+
 def rows_text(counts: Any) -> str:
     """``30/64 rows done (29 completed, 1 failed)`` of a batch's ``request_counts``."""
-    done = counts.completed + counts.failed
-    return f"{done}/{counts.total} rows done ({counts.completed} completed, {counts.failed} failed)"
+    return f"{counts.completed + counts.failed}/{counts.total} rows done ({ended_text(counts)})"
 
 
 def wait_for_batch(
@@ -106,7 +110,7 @@ def wait_for_batch(
                 bar.n = counts.completed + counts.failed
                 if first:
                     bar.initial, first = bar.n, False
-                bar.set_postfix_str(f"{b.status} {counts.completed} completed, {counts.failed} failed{_eta_text(b)}")
+                bar.set_postfix_str(f"{b.status} {ended_text(counts)}{_eta_text(b)}")
                 bar.refresh()
             if b.status in TERMINAL:
                 return b
