@@ -218,21 +218,14 @@ class WeightCopies:
         return [(id(t), t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors]
 
     def _layer_attributes(self) -> list[torch.Tensor]:
-        """The tensors of :meth:`_stamp`, by attribute."""
+        """The tensors of :meth:`_stamp`, in the same order, by attribute."""
         out = []
         for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for linear in (
-                attn.q_proj,
-                attn.k_proj,
-                attn.v_proj,
-                attn.o_proj,
-                mlp.gate_proj,
-                mlp.up_proj,
-                mlp.down_proj,
-            ):
-                tensors += [linear.weight, linear.bias]
+            for owner, names in ((layer.self_attn, _ATTENTION), (layer.mlp, _MLP)):
+                for name in names:
+                    linear = getattr(owner, name)
+                    tensors += [linear.weight, linear.bias]
             out += [t for t in tensors if t is not None]
         return out
 
