@@ -7,8 +7,9 @@
    an idle server, and the batch's rows/s with and without the chats. Goals: p95 while the batch runs <= 1.2x idle
    p95; the batch keeps >= 0.9x its rows/s. The two batch runs alternate with the idle chats (idle, batch, batch +
    chats, idle).
-3. A client that sends a 300-token chat and hangs up after its first tokens, then a 1-token chat, three times: the
-   1-token chats' median latency against the same three on an idle server (goal: within idle + one decode step).
+3. A client that sends a 300-token chat and hangs up after a second, then a 1-token chat, in pairs (``--drops``, 8
+   by default) with the same 1-token chat on the idle server just before: the median of the pairs' differences
+   against a one-row decode step measured between the pairs (goal: within idle + one decode step).
 4. A 64-token chat sent 4 s into the demo's batch (``examples/topics.jsonl``: 64 rows of about 240 prompt tokens
    and 6 generated), once with ``pack: false`` and once with ``pack: true``, against the same chat on an idle server:
    batch rows that start beside a chat put their prefills into its steps.
@@ -242,25 +243,49 @@ def part_batch(client: Any, rows: int, chats: int, rng: random.Random) -> dict[s
     return out
 
 
-def part_hang_up(server: ServerProcess, client: Any) -> dict[str, Any]:
-    """Part 3: three 1-token chats, each right after a dropped 300-token chat, against the same three on an idle
-    server (the medians: one request a side swings by tens of milliseconds)."""
-    idle = [chat(client, i, 1) for i in range(3)]
-    after = []
-    for i in range(3):
+def decode_step_s(client: Any) -> float:
+    """Seconds a one-row decode step takes now: a streamed 64-token chat's time between its first and last content
+    chunks over the chunks between them."""
+    times = []
+    for event in client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+    ):
+        if event.choices and event.choices[0].delta.content:
+            times.append(time.perf_counter())
+    return (times[-1] - times[0]) / max(1, len(times) - 1)
+
+
+def part_hang_up(server: ServerProcess, client: Any, pairs: int) -> dict[str, Any]:
+    """Part 3: ``pairs`` pairs, each a 1-token chat on the idle server, then a 300-token chat dropped after a second
+    and the same 1-token chat right after it; the median of the pairs' differences against one decode step measured
+    between the pairs (one request a side swings by tens of milliseconds, so the pairs are compared side by side)."""
+    idle, after, steps = [], [], []
+    for i in range(pairs):
+        idle.append(chat(client, i, 1))
         hang_up(server, 300)
         after.append(chat(client, i, 1))
-    idle_one, after_one = statistics.median(idle), statistics.median(after)
+        steps.append(decode_step_s(client))
+    extra = statistics.median(b - a for a, b in zip(idle, after))
+    step = statistics.median(steps)
     out = {
-        "idle_1_token_s": round(idle_one, 3),
-        "after_s": round(after_one, 3),
+        "pairs": pairs,
+        "idle_1_token_s": round(statistics.median(idle), 3),
+        "after_s": round(statistics.median(after), 3),
+        "extra_median_s": round(extra, 4),
+        "decode_step_s": round(step, 4),
+        "extra_in_steps": round(extra / step, 2),
         "idle_each_s": [round(t, 3) for t in idle],
         "after_each_s": [round(t, 3) for t in after],
         "load": load(),
     }
     print(
-        f"1-token chat idle {idle_one:.3f} s; right after a dropped 300-token chat {after_one:.3f} s (medians of 3: "
-        f"{', '.join(f'{t:.3f}' for t in idle)} against {', '.join(f'{t:.3f}' for t in after)}); load {load()}"
+        f"1-token chat idle {out['idle_1_token_s']:.3f} s, right after a dropped 300-token chat {out['after_s']:.3f} s "
+        f"(medians of {pairs}); the pairs' median difference {extra * 1000:+.1f} ms against a decode step of "
+        f"{step * 1000:.1f} ms ({out['extra_in_steps']} steps; goal <= 1); load {out['load']}"
     )
     return out
 
@@ -328,6 +353,7 @@ def main() -> None:
     parser.add_argument(
         "--parts", default="1,2,3,4,5", help="the parts to run, comma-separated (the module's numbering)"
     )
+    parser.add_argument("--drops", type=int, default=8, help="part 3's pairs of a dropped chat and a 1-token one")
     parser.add_argument("--stream-rows", type=int, default=48, help="rows of part 5's packed batch")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -346,7 +372,7 @@ def main() -> None:
             if "2" in parts:
                 report["packed_batch"] = part_batch(client, rows, chats, rng)
             if "3" in parts:
-                report["hang_up"] = part_hang_up(server, client)
+                report["hang_up"] = part_hang_up(server, client, args.drops)
             if "5" in parts:
                 report["first_token"] = part_first_token(client, args.stream_rows)
             if "4" in parts:
