@@ -216,8 +216,32 @@ async def test_an_interactive_arrival_gives_up_the_batch_step_in_flight() -> Non
         await t.outcome()
     assert steps.stopped[:2] == [False, False], "batch-only steps, nothing arrived"
     assert steps.stopped[2] is True, "the step in flight when the chat arrived"
-    assert steps.stopped[3:6] == [None, None, None], "the chat's steps are never given up"
+    assert steps.stopped[3:6] == [False, False, False], "the chat's steps are not given up for it"
     assert chat.admitted_at == 3
+
+
+async def test_a_step_whose_every_request_was_cancelled_is_given_up() -> None:
+    """A client that hangs up while its step runs: once every request decoding in the step is cancelled, its decode
+    is given up (nobody waits for it); while one of them is still wanted, it is not."""
+    steps = FakeSteps(hold_at=2)
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4)
+    chat = s.submit(request(10, Priority.INTERACTIVE))
+    await steps.holding()
+    chat.cancel()
+    steps.go.set()
+    await s.idle()
+    assert steps.stopped == [False, False, True, None], "the step in flight when it left, then the drop alone"
+    assert steps.log[3] == ([], [chat.number]) and chat.withdrawn
+
+    steps = FakeSteps(hold_at=2)
+    s = StepScheduler(steps, max_sequences=8, batch_slots=4)
+    left, stays = s.submit(request(10, Priority.INTERACTIVE)), s.submit(request(6, Priority.INTERACTIVE))
+    await steps.holding()
+    left.cancel()
+    steps.go.set()
+    await stays.outcome()
+    assert steps.stopped[2] is False, "one of its requests still waits for its token"
+    assert steps.log[3] == ([], [left.number])
 
 
 async def test_an_interactive_request_outside_the_loop_gives_up_the_batch_step_too() -> None:

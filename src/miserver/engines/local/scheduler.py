@@ -20,7 +20,8 @@ while anything waits or runs:
    one decode token for the others but those sitting out); other engine work (scoring and pooling packs, weight
    edits) queues on the same thread between two steps. A step of batch sequences only gives its decode up between
    two layers when an interactive ticket arrives (its sequences decode that token at a later step, as if they had
-   sat the step out), so an interactive request waits for about one layer, not for the batch's whole step;
+   sat the step out), so an interactive request waits for about one layer, not for the batch's whole step; any step
+   gives its decode up once every request decoding in it was cancelled (a client that hung up mid-step);
 4. **retire**: deltas go to their tickets (streams see them at once); a finished ticket gets its result.
 
 The scheduler sees a priority class, a fairness key and the batch-invariant switch on each request, never a batch.
@@ -202,13 +203,12 @@ class StepScheduler:
                     await self.run_step([], drops, [], None)
                 continue
             paused = self._paused()
-            batch_only = all(t.priority != Priority.INTERACTIVE for t in self._active.values())
             try:
                 updates = await self.run_step(
                     [Start(t.number, t.request, t.request.invariant) for t in starts],
                     drops,
                     paused,
-                    self._arrived.is_set if batch_only else None,
+                    self._give_up(paused),
                 )
             except BaseException as exc:
                 self._fail(exc, [t.number for t in starts])
@@ -217,6 +217,22 @@ class StepScheduler:
                 continue
             self.steps += 1
             self._deliver(updates)
+
+    def _give_up(self, paused: list[int]) -> Callable[[], bool]:
+        """When the step about to run gives its decode up between two layers (asked on the engine thread): once every
+        request decoding in it has been cancelled (its client left while the step ran: nobody waits for its token),
+        and, in a step of batch sequences only, once an interactive ticket arrives."""
+        sitting_out = set(paused)
+        decoding = [t for n, t in self._active.items() if n not in sitting_out]
+        arrived = self._arrived
+        batch_only = all(t.priority != Priority.INTERACTIVE for t in self._active.values())
+
+        def stop() -> bool:
+            if batch_only and arrived.is_set():
+                return True
+            return bool(decoding) and all(t.cancelled for t in decoding)
+
+        return stop
 
     def _leaving(self) -> list[int]:
         """Withdraw waiting tickets that were cancelled or whose group stops or drains; the in-flight tickets that
