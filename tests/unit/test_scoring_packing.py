@@ -8,9 +8,7 @@ pass; a pack agrees with its rows run alone. Service level: the many-rows call a
 from __future__ import annotations
 
 import base64
-import contextlib
 import random
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -295,27 +293,6 @@ async def test_a_one_token_request_is_a_prefill_in_the_step_loop_unless_batch_in
         assert isinstance(await completions.create(ctx, {**text, **asked}, Call(strict=True)), ServiceResult)
     assert isinstance(await completions.create(ctx, text, Call(strict=True, invariant=True)), ServiceResult)
     assert scored == [1, 1, 1, 1]
-
-
-async def test_an_interactive_request_holds_the_batch_while_it_is_prepared_and_answered(
-    ctx: ServiceContext, engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    entered: list[int] = []  # the engine's batch steps so far, each time a hold began
-    real = engine.hold_batch
-
-    @contextlib.contextmanager
-    def watched() -> Iterator[None]:
-        entered.append(engine.scheduler.steps)
-        with real():
-            yield
-
-    monkeypatch.setattr(engine, "hold_batch", watched)
-    for service, body in ((chat, chat_body(TEXTS[0], max_tokens=2)), (completions, {"model": "tiny", "prompt": "a"})):
-        before = engine.scheduler.steps
-        assert isinstance(await service.create(ctx, body, Call(strict=True)), ServiceResult)
-        assert entered[-1] == before, "held from before the prompt was tokenised"
-        assert isinstance(await service.create(ctx, body, Call(strict=True, priority=Priority.BATCH)), ServiceResult)
-    assert len(entered) == 2, "batch rows hold nothing"
 
 
 async def test_completions_echo_scoring_shape_and_many_rows(ctx: ServiceContext, engine: LocalEngine) -> None:

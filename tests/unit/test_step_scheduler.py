@@ -255,37 +255,3 @@ async def test_an_interactive_request_outside_the_loop_gives_up_the_batch_step_t
     steps.go.set()
     await row.outcome()
     assert steps.stopped == [False, True, False, False], "the step in flight when it came, and no other"
-
-
-async def test_no_batch_step_starts_while_an_interactive_request_is_held_outside_the_engine() -> None:
-    """``hold()``: while a chat's prompt is tokenised or its answer built, the batch waits (up to ``hold_wait_s``);
-    the chat's own ticket runs as usual, and the batch goes on once the hold ends."""
-    waiting = asyncio.Event()
-    steps = FakeSteps()
-    s = StepScheduler(steps, max_sequences=4, batch_slots=2, hold_wait_s=3600, on_held=waiting.set)
-    with s.hold():
-        row = s.submit(request(3))
-        await asyncio.wait_for(waiting.wait(), 10)
-        assert steps.log == [], "no batch step while the chat is held outside the engine"
-        chat = s.submit(request(2, Priority.INTERACTIVE))
-        await chat.outcome()
-        assert chat.admitted_at == 0 and not row.started, "the chat ran; the batch row waits for the hold"
-    await row.outcome()
-    assert row.admitted_at == 2 and len(steps.log) == 5
-
-
-async def test_a_hold_that_does_not_end_still_lets_the_batch_step() -> None:
-    """The batch waits at most ``hold_wait_s`` at a time: under a hold that lasts, it still runs (here the bound is
-    0, so it waits on nothing)."""
-    held = 0
-
-    def count() -> None:
-        nonlocal held
-        held += 1
-
-    steps = FakeSteps()
-    s = StepScheduler(steps, max_sequences=4, batch_slots=2, hold_wait_s=0, on_held=count)
-    with s.hold():
-        row = s.submit(request(3))
-        await row.outcome()
-    assert len(steps.log) == 3 and held == 3, "one wait, then one step, every step"

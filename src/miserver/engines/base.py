@@ -12,7 +12,6 @@ result) or as one right-padded pack of many (``score_many``, ``embed_many``: the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -265,16 +264,6 @@ class GeneratesMany(Protocol):
         ``should_stop()`` is asked (on the caller's thread) before every decode step: once true the iterator ends
         and the requests in flight are not yielded (their work is dropped). Once ``should_drain()`` is true no
         waiting request starts; the iterator ends when those in flight are done (the rest are never yielded)."""
-        ...
-
-
-@runtime_checkable
-class HoldsBatch(Protocol):
-    """The capability of an engine that runs batch work beside interactive requests on the same processor."""
-
-    def hold_batch(self) -> AbstractContextManager[None]:
-        """A block during which an interactive request is prepared or answered outside the engine (its prompt
-        tokenised, its response built): the engine starts no batch work meanwhile, for a bounded time at once."""
         ...
 
 

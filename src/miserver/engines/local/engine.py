@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -258,11 +257,6 @@ class LocalEngine:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens dropped."""
         return str(self.loaded.tokenizer.decode(list(ids), skip_special_tokens=True))
-
-    def hold_batch(self) -> AbstractContextManager[None]:
-        """No batch step starts while the block runs, at most ``scheduler.hold_wait_s`` at a time (see
-        :meth:`StepScheduler.hold`)."""
-        return self.scheduler.hold()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Run ``request`` to completion in the step loop; sequences come back in index order.

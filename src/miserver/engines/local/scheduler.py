@@ -24,10 +24,6 @@ while anything waits or runs:
    gives its decode up once every request decoding in it was cancelled (a client that hung up mid-step);
 4. **retire**: deltas go to their tickets (streams see them at once); a finished ticket gets its result.
 
-Before a step, while an interactive request is held outside the engine (:meth:`StepScheduler.hold`: its prompt being
-tokenised, its answer being built) and no interactive ticket waits or runs, the loop waits for it, at most
-``hold_wait_s`` at a time, instead of starting a batch step that would share the CPU with that work.
-
 The scheduler sees a priority class, a fairness key and the batch-invariant switch on each request, never a batch.
 """
 
@@ -38,8 +34,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from miserver.engines.base import GenerationRequest, GenerationResult, StreamDelta
@@ -47,10 +42,6 @@ from miserver.engines.local.steps import Start, Update
 from miserver.scheduling.admission import Priority
 
 log = logging.getLogger("miserver.engine")
-
-#: The longest the loop keeps batch sequences waiting, at a time, for interactive requests held outside the engine
-#: (:meth:`StepScheduler.hold`): under holds that never end, the batch still runs one step every so often.
-HOLD_WAIT_S = 0.05
 
 #: Runs one step on the engine thread: (starts, drops, paused, stop) -> updates; raises what the step raised. ``stop``,
 #: when given, turns true once the step's decode should be given up (see ``StepBatch.step``).
@@ -130,10 +121,8 @@ class StepScheduler:
         prefill_tokens: int = 256,
         batch_hold_steps: int = 64,
         interactive_batch_rows: int = 0,
-        hold_wait_s: float = HOLD_WAIT_S,
         on_start: Callable[[GenerationRequest], None] | None = None,
         on_generated: Callable[[int], None] | None = None,
-        on_held: Callable[[], None] | None = None,
     ) -> None:
         if max_sequences < 1 or batch_slots < 1:
             raise ValueError("the step scheduler needs at least one slot")
@@ -144,12 +133,6 @@ class StepScheduler:
         if interactive_batch_rows < 0:
             raise ValueError("interactive_batch_rows must not be negative")
         self.interactive_batch_rows = interactive_batch_rows
-        self.hold_wait_s = hold_wait_s
-        #: interactive requests being prepared or answered outside the engine now (:meth:`hold`)
-        self._holds = 0
-        #: set when a hold ends or an interactive ticket arrives while the loop waits on holds
-        self._wake: asyncio.Event | None = None
-        self.on_held = on_held
         self.prefill_tokens = prefill_tokens
         self.batch_hold_steps = batch_hold_steps
         #: the step since which interactive work has held batch tickets back (None: not held)
@@ -180,8 +163,6 @@ class StepScheduler:
         if request.priority == Priority.INTERACTIVE:
             self._interactive.append(ticket)
             self._arrived.set()
-            if self._wake is not None:
-                self._wake.set()
         else:
             self._batch.setdefault(request.fairness_key, deque()).append(ticket)
         loop = asyncio.get_running_loop()
@@ -193,21 +174,6 @@ class StepScheduler:
         """An interactive request for the engine thread outside the step loop (a scoring pass) is waiting: a step of
         batch sequences only in flight gives its decode up, so that the request runs after it."""
         self._arrived.set()
-
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        """While the block runs, an interactive request is on its way to the engine or its answer on its way out
-        (its prompt being tokenised, its response being built): no batch step starts while no interactive ticket
-        waits or runs, so that the request's own work does not share the CPU with one; a batch-only step in flight
-        gives its decode up. The batch waits at most ``hold_wait_s`` at a time, then runs one step."""
-        self._holds += 1
-        self._arrived.set()
-        try:
-            yield
-        finally:
-            self._holds -= 1
-            if self._wake is not None:
-                self._wake.set()
 
     @property
     def in_flight(self) -> int:
@@ -229,8 +195,6 @@ class StepScheduler:
 
     async def _run(self) -> None:
         while self._active or self._interactive or any(self._batch.values()):
-            if self._held_outside() and not await self._wait_for_holds():
-                continue
             drops = self._leaving() + self._orphans
             self._orphans = []
             starts = self._admit()
@@ -253,28 +217,6 @@ class StepScheduler:
                 continue
             self.steps += 1
             self._deliver(updates)
-
-    def _held_outside(self) -> bool:
-        """Whether interactive requests are held outside the engine (:meth:`hold`) while none waits or runs here."""
-        return (
-            self._holds > 0
-            and not self._interactive
-            and all(t.priority != Priority.INTERACTIVE for t in self._active.values())
-        )
-
-    async def _wait_for_holds(self) -> bool:
-        """Wait until the holds end or an interactive ticket arrives (False), or ``hold_wait_s`` passes (True: the
-        batch runs one step)."""
-        self._wake = asyncio.Event()
-        if self.on_held is not None:
-            self.on_held()
-        try:
-            await asyncio.wait_for(self._wake.wait(), self.hold_wait_s)
-        except TimeoutError:
-            return True
-        finally:
-            self._wake = None
-        return False
 
     def _give_up(self, paused: list[int]) -> Callable[[], bool]:
         """When the step about to run gives its decode up between two layers (asked on the engine thread): once every

@@ -303,14 +303,13 @@ async def create(
         req = parse(body, strict=call.strict)
         sent = body if extras is None else extras.relayed(body)
         return await routing.create(ctx, pool, "/v1/chat/completions", req, sent, call)
-    with ctx.interactive(call):  # no batch step beside tokenising the prompt and building the answer
-        p = _prepare(ctx, body, call, extras)
-        if p.req.stream:
-            include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
-            counted = StreamUsage()
-            events = _stream(ctx, p, call, include_usage, counted)
-            return StreamResult(events, p.headers, counted)
-        return await _execute(ctx, p, call)
+    p = _prepare(ctx, body, call, extras)
+    if p.req.stream:
+        include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
+        counted = StreamUsage()
+        events = _stream(ctx, p, call, include_usage, counted)
+        return StreamResult(events, p.headers, counted)
+    return await _execute(ctx, p, call)
 
 
 async def _execute(ctx: ServiceContext, p: _Prepared, call: Call) -> ServiceResult:

@@ -230,13 +230,12 @@ async def create(ctx: ServiceContext, body: Any, call: Call) -> ServiceResult | 
     pool = routing.target(ctx, body)
     if pool is not None:
         return await routing.create(ctx, pool, "/v1/completions", parse(body, strict=call.strict), body, call)
-    with ctx.interactive(call):  # no batch step beside tokenising the prompts and building the answer
-        p = _prepare(ctx, body, call)
-        if p.req.stream:
-            include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
-            counted = StreamUsage()
-            return StreamResult(_stream(ctx, p, call, include_usage, counted), p.headers, counted)
-        return await _execute(ctx, p, call)
+    p = _prepare(ctx, body, call)
+    if p.req.stream:
+        include_usage = bool(p.req.stream_options and p.req.stream_options.include_usage)
+        counted = StreamUsage()
+        return StreamResult(_stream(ctx, p, call, include_usage, counted), p.headers, counted)
+    return await _execute(ctx, p, call)
 
 
 async def _execute(ctx: ServiceContext, p: _Prepared, call: Call) -> ServiceResult:

@@ -6,14 +6,12 @@ returns a :class:`ServiceResult` (status, JSON body, headers, usage) or raises :
 
 from __future__ import annotations
 
-import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...engines.base import Engine, Grammar, HoldsBatch
+from ...engines.base import Engine, Grammar
 from ...engines.upstream import UPSTREAM_PATHS, Gateway, UpstreamPool
 from ...errors import ConflictError, EngineUnavailableError, ModelNotFoundError, UnsupportedValueError
 from ...model_lease import LeaseManager
@@ -135,15 +133,6 @@ class ServiceContext:
     resident_origin: str | None = None
     checkpoint_ids: set[str] = field(default_factory=set)
     aliases: dict[str, str] = field(default_factory=dict)
-
-    def interactive(self, call: Call) -> AbstractContextManager[None]:
-        """A block in which ``call``'s request is prepared and answered on the resident engine: an interactive call
-        on an engine that runs batch work beside it (``HoldsBatch``) holds that work back meanwhile; any other call
-        holds nothing."""
-        engine: object = self.engine  # an Engine, which may also hold batch work
-        if call.priority == Priority.INTERACTIVE and isinstance(engine, HoldsBatch):
-            return engine.hold_batch()
-        return contextlib.nullcontext()
 
     def refuse_if_torn(self) -> None:
         """409 ``weights_torn`` while the resident weights are mid-write (the gate's admission check)."""
