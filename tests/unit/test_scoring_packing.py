@@ -210,10 +210,8 @@ async def many(
 
 
 async def single(service: Any, ctx: ServiceContext, body: Any) -> ServiceResult | APIError:
-    """``body`` as the synchronous route computes it with ``X-miLLM-Batch-Invariant: true``: the reference a batch's
-    rows are held to (without the switch, a one-token request is a prefill in the step loop, not a scoring pass)."""
     try:
-        result = await service.create(ctx, body, Call(strict=True, invariant=True))
+        result = await service.create(ctx, body, Call(strict=True))
     except APIError as exc:
         return exc
     assert isinstance(result, ServiceResult)
@@ -251,48 +249,9 @@ async def test_chat_many_rows_answer_as_create(ctx: ServiceContext) -> None:
         else:
             assert isinstance(got.result, ServiceResult)
             assert got.packed is (i < len(TEXTS))  # scoring rows pack; the generation row runs alone
-            assert got.result.headers["X-miLLM-Batch-Invariant"] == "false"
-            assert expected.headers["X-miLLM-Batch-Invariant"] == "true"
-            same = {"X-miLLM-Batch-Invariant": "true"}
-            assert {**got.result.headers, **same} == expected.headers
+            assert got.result.headers == expected.headers
             assert_same_response(got.result.body, expected.body)
     assert outcomes[len(TEXTS) + 1].result.code == "context_length_exceeded"  # type: ignore[union-attr]
-
-
-async def test_a_one_token_request_is_a_prefill_in_the_step_loop_unless_batch_invariant(
-    ctx: ServiceContext, engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    scored: list[int] = []
-    real = engine.score_many
-
-    async def counting(requests: Any) -> Any:
-        scored.append(len(requests))
-        return await real(requests)
-
-    monkeypatch.setattr(engine, "score_many", counting)
-    body = chat_body(TEXTS[3], temperature=0)
-    steps = engine.scheduler.steps
-    shared = await chat.create(ctx, body, Call(strict=True))
-    assert isinstance(shared, ServiceResult) and shared.headers["X-miLLM-Batch-Invariant"] == "false"
-    assert scored == [] and engine.scheduler.steps == steps + 1  # one step: the prompt's prefill and its token
-    longer = await chat.create(ctx, {**body, "max_tokens": 3}, Call(strict=True))
-    assert isinstance(longer, ServiceResult)
-    first = shared.body["choices"][0]["logprobs"]["content"][0]
-    assert longer.body["choices"][0]["logprobs"]["content"][0] == first  # the same prefill, the same first token
-
-    steps = engine.scheduler.steps
-    alone = await chat.create(ctx, body, Call(strict=True, invariant=True))
-    assert isinstance(alone, ServiceResult) and alone.headers["X-miLLM-Batch-Invariant"] == "true"
-    assert scored == [1] and engine.scheduler.steps == steps  # the scoring pass, outside the step loop
-    assert alone.body["choices"][0]["logprobs"]["content"][0]["token"] == first["token"]
-
-    text = {"model": "tiny", "prompt": TEXTS[3], "max_tokens": 1, "temperature": 0}
-    assert isinstance(await completions.create(ctx, text, Call(strict=True)), ServiceResult)
-    assert scored == [1]
-    for asked in ({"echo": True, "logprobs": 1}, {"max_tokens": 0, "echo": True}):  # prompt logprobs; no forward pass
-        assert isinstance(await completions.create(ctx, {**text, **asked}, Call(strict=True)), ServiceResult)
-    assert isinstance(await completions.create(ctx, text, Call(strict=True, invariant=True)), ServiceResult)
-    assert scored == [1, 1, 1, 1]
 
 
 async def test_completions_echo_scoring_shape_and_many_rows(ctx: ServiceContext, engine: LocalEngine) -> None:

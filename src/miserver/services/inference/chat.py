@@ -293,10 +293,9 @@ async def create(
 ) -> ServiceResult | StreamResult:
     """Run a chat completion. Returns a :class:`ServiceResult`, or a :class:`StreamResult` when ``stream`` is true.
 
-    A scoring-mode request (one token) sent batch-invariant runs as one scoring pass (``Engine.score``), as a batch's
-    scoring rows do; any other request, a one-token one included, runs in the step loop (``Engine.generate``). A
-    model served by an upstream pool goes there (:func:`~miserver.services.inference.routing.create`), with
-    ``extras`` written into the body it sends.
+    A scoring-mode request (one token) runs as one scoring pass (``Engine.score``), which chooses its token exactly
+    as generation does; any other through ``Engine.generate``. A model served by an upstream pool goes there
+    (:func:`~miserver.services.inference.routing.create`), with ``extras`` written into the body it sends.
     """
     pool = routing.target(ctx, body)
     if pool is not None:
@@ -325,10 +324,9 @@ def prepare(ctx: ServiceContext, body: Any, call: Call, extras: Extras | None = 
 
 async def run_prepared(ctx: ServiceContext, p: _Prepared, call: Call) -> GenerationResult:
     """The engine computation of a prepared, non-streamed request under the admission gate (or ``call.slot``): a
-    batch-invariant scoring-mode request as one scoring pass, any other through ``Engine.generate`` (a one-token
-    request there is a prefill in the step loop, beside whatever else runs)."""
+    scoring-mode request as one scoring pass, any other through ``Engine.generate``."""
     async with ctx.gate.hold(call.priority, call.slot):
-        if p.scoring and p.gen.invariant:
+        if p.scoring:
             return (await p.engine.score(ScoreRequest(p.gen))).generation
         return await p.engine.generate(p.gen)
 

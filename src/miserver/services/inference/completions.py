@@ -149,10 +149,8 @@ def _prompt_only(gen: GenerationRequest) -> GenerationRequest:
 
 
 async def _run_prompt(p: _Prepared, gen: GenerationRequest) -> ScoreResult:
-    """One prompt alone: one scoring pass in scoring mode when it runs batch-invariant, needs no forward pass
-    (``max_tokens`` 0) or asks for prompt logprobs; else generation in the step loop (after a prompt pass for echo
-    logprobs)."""
-    if p.scoring and (gen.invariant or gen.params.max_tokens == 0 or p.prompt_k is not None):
+    """One prompt alone: one scoring pass in scoring mode; else generation (after a prompt pass for echo logprobs)."""
+    if p.scoring:
         return await p.engine.score(ScoreRequest(gen, p.prompt_k))
     prompt = await p.engine.score(ScoreRequest(_prompt_only(gen), p.prompt_k)) if p.prompt_k is not None else None
     result = await p.engine.generate(gen)
