@@ -7,7 +7,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from miserver.cli import batch as cli_batch
+from miserver.cli.base import main
 from miserver.cli.batch import wait_for_batch
 
 
@@ -43,3 +46,12 @@ def test_a_pipe_gets_a_line_per_change_and_no_bar_frames(capsys: pytest.CaptureF
         "in_progress 10/64 rows done (10 completed, 0 failed)",
         "completed 64/64 rows done (62 completed, 2 failed)",
     ]
+
+
+def test_download_of_a_running_batch_names_where_its_rows_so_far_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = SimpleNamespace(batches=FakeBatches([("in_progress", 29, 1)]))
+    monkeypatch.setattr(cli_batch, "_client", lambda url: client)
+    got = CliRunner().invoke(main, ["batch", "download", "batch_x", "-o", "out.jsonl"])
+    assert got.exit_code == 1
+    assert "batch_x is in_progress: its files exist once it has ended" in got.stderr
+    assert "GET /v1/batches/batch_x/results" in got.stderr

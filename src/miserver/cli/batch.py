@@ -274,7 +274,7 @@ def batch_retry(batch_id: str, url: str) -> None:
 @url_option
 @client_errors
 def batch_download(batch_id: str, output: str | None, errors: str | None, url: str) -> None:
-    """Save an ended batch's output file (-o) and error file (-e); a file the batch has not is written empty.
+    """Save an ended batch's output file (-o) and error file (-e); a file the batch does not have is written empty.
 
     \b
     Example:
@@ -283,7 +283,10 @@ def batch_download(batch_id: str, output: str | None, errors: str | None, url: s
     client = _client(url)
     b = client.batches.retrieve(batch_id)
     if b.status not in TERMINAL:
-        raise click.ClickException(f"{batch_id} is {b.status}: its files exist once it has ended")
+        raise click.ClickException(
+            f"{batch_id} is {b.status}: its files exist once it has ended (the rows recorded so far: "
+            f"GET /v1/batches/{batch_id}/results)"
+        )
     if output is None and errors is None:
         raise click.UsageError("give --output and/or --errors")
     for target, file_id, what in ((output, b.output_file_id, "output"), (errors, b.error_file_id, "error lines")):
