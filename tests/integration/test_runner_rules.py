@@ -348,13 +348,29 @@ async def test_cancel_while_validating_accounts_for_every_line(store: Store, mon
 
 class HoldsAfter(FakeEngine):
     """A fake engine that holds the rows whose first token is ``first`` once ``ran`` (a list shared by several such
-    engines) holds ``count`` of them: it sets ``inside`` and waits for ``go``."""
+    engines) holds ``count`` of them: it sets ``inside`` and waits for ``go``.
 
-    def __init__(self, first: int, count: int, ran: list[tuple[int, ...]], inside: asyncio.Event, go: asyncio.Event):
+    Its first row also waits (60 s at most) until every engine in ``met`` has begun a row, so that each of the racing
+    workers surely runs rows: left to chance, a loaded machine let one worker's SQLite writes starve the other's."""
+
+    def __init__(
+        self,
+        first: int,
+        count: int,
+        ran: list[tuple[int, ...]],
+        inside: asyncio.Event,
+        go: asyncio.Event,
+        met: list[HoldsAfter],
+    ):
         super().__init__()
-        self.first, self.count, self.ran, self.inside, self.go = first, count, ran, inside, go
+        self.first, self.count, self.ran, self.inside, self.go, self.met = first, count, ran, inside, go, met
+        self.began = asyncio.Event()
 
     async def embed(self, request: PoolRequest) -> Vector:
+        if not self.began.is_set():
+            self.began.set()
+            async with asyncio.timeout(60):
+                await asyncio.gather(*(engine.began.wait() for engine in self.met))
         if request.prompt_ids[0] == self.first:
             if len(self.ran) >= self.count:
                 self.inside.set()
@@ -369,7 +385,9 @@ async def test_two_runners_racing_the_same_batches(store: Store) -> None:
     one of its rows is inside an engine after two of its rows ran, ends cancelled with its unrun rows failed."""
     third_ran: list[tuple[int, ...]] = []
     inside, cancelled = asyncio.Event(), asyncio.Event()
-    engines = [HoldsAfter(3, 2, third_ran, inside, cancelled) for _ in range(2)]  # the third batch's prefix is qqq
+    met: list[HoldsAfter] = []
+    engines = [HoldsAfter(3, 2, third_ran, inside, cancelled, met) for _ in range(2)]  # the third batch's is qqq
+    met.extend(engines)
     one, two = runner_for(store, "w1", engines[0]), runner_for(store, "w2", engines[1])
     prefixes = ["q" * (k + 1) for k in range(3)]  # distinct word lengths: every input of every batch is distinct
     batches = [await create_batch(store, input_lines(p, 7)) for p in prefixes]
