@@ -352,12 +352,19 @@ async def test_a_step_given_up_part_way_is_as_if_its_sequences_sat_it_out(engine
 async def test_an_interactive_scoring_pass_gives_up_a_batch_step(
     engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A scoring pass at interactive priority asks the step loop to give up a batch-only step in flight; one at
-    batch priority does not."""
+    """A prompt-logprobs scoring pass at interactive priority asks the step loop to give up a batch-only step in
+    flight; one at batch priority does not. A one-token scoring request needs no such pass: it is a sequence of the
+    step loop, admitted there, with its interactive arrival seen by the step in flight."""
     calls: list[int] = []
     monkeypatch.setattr(engine.scheduler, "interrupt", lambda: calls.append(1))
-    one = req(engine, PROMPTS[0], max_tokens=1, temperature=0)
-    await engine.score(ScoreRequest(dataclasses.replace(one, priority=Priority.BATCH)))
+    echo = req(engine, PROMPTS[0], max_tokens=0, temperature=0)
+    await engine.score(ScoreRequest(dataclasses.replace(echo, priority=Priority.BATCH), prompt_logprobs=0))
     assert calls == []
-    await engine.score(ScoreRequest(dataclasses.replace(one, priority=Priority.INTERACTIVE)))
+    await engine.score(ScoreRequest(dataclasses.replace(echo, priority=Priority.INTERACTIVE), prompt_logprobs=0))
     assert calls == [1]
+    steps = engine.scheduler.steps
+    one = dataclasses.replace(
+        echo, params=dataclasses.replace(echo.params, max_tokens=1), priority=Priority.INTERACTIVE
+    )
+    await engine.score(ScoreRequest(one))
+    assert calls == [1] and engine.scheduler.steps == steps + 1, "one step of the step loop, no scoring pass"

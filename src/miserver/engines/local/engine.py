@@ -3,8 +3,9 @@
 All torch work (loading, prefill, decode steps, scoring and pooling passes) runs on a single ``miserver-engine``
 worker thread, so the event loop never blocks on the model. Generation goes through the step scheduler
 (``scheduler.StepScheduler``): every request in flight, synchronous or batch row, streamed or not, shares one
-continuous batch, admitted and retired at each decode step (``steps.StepBatch``); scoring and pooling packs and
-weight edits run on the same thread between two steps.
+continuous batch, admitted and retired at each decode step (``steps.StepBatch``); a scoring request's token is a
+prefill-only sequence there (``score_steps``); prompt-logprob and pooling packs and weight edits run on the same
+thread between two steps.
 """
 
 from __future__ import annotations
@@ -35,33 +36,32 @@ from miserver.engines.local.embed import pool_pack
 from miserver.engines.local.loader import LoadedModel, eos_ids_of, load_model, resolve_model_source
 from miserver.engines.local.processors import BACKEND as GRAMMAR_BACKEND
 from miserver.engines.local.processors import CacheStats, Grammars
-from miserver.engines.local.scheduler import Group, StepScheduler, Ticket
+from miserver.engines.local.scheduler import (
+    DEFAULT_BATCH_HOLD_STEPS,
+    DEFAULT_BATCH_ROWS_BESIDE_INTERACTIVE,
+    DEFAULT_BATCH_SLOTS,
+    DEFAULT_MAX_SEQUENCES,
+    DEFAULT_PREFILL_TOKENS,
+    Group,
+    StepScheduler,
+    Ticket,
+)
 from miserver.engines.local.score import score_pack
+from miserver.engines.local.score_steps import check, score_requests
 from miserver.engines.local.steps import Start, StepBatch, Update
 from miserver.engines.local.thread import engine_threads, new_executor, one_openmp_team
 from miserver.scheduling.admission import Priority
 
 _T = TypeVar("_T")
 
-#: Sequences in flight at once, every class together (the default of ``MISERVER_MAX_SEQUENCES``).
-DEFAULT_MAX_SEQUENCES = 24
-#: Batch sequences in flight at once (the default of ``BATCH_GENERATE_SLOTS``).
-DEFAULT_BATCH_SLOTS = 16
-#: Batch prompt tokens prefilled in one step at most (the default of ``BATCH_PREFILL_TOKENS``).
-DEFAULT_PREFILL_TOKENS = 256
-#: Steps of interactive work between two batch rows started beside it (the default of ``BATCH_HOLD_STEPS``).
-DEFAULT_BATCH_HOLD_STEPS = 64
-#: Batch sequences that keep decoding while interactive requests run (the default of
-#: ``BATCH_ROWS_BESIDE_INTERACTIVE``).
-DEFAULT_BATCH_ROWS_BESIDE_INTERACTIVE = 0
-
 
 class LocalEngine:
     """An :class:`~miserver.engines.base.Engine` over a model in this process.
 
-    ``executions`` counts requests run (each generation request as the step scheduler admits it, and each request of
-    ``score``, ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is called with each request at
-    that moment (tests use both to prove work is not run twice). ``max_sequences`` caps the sequences in flight,
+    ``executions`` counts requests run (each generation or one-token scoring request as the step scheduler admits it,
+    and each other request of ``score``, ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is
+    called with each request at that moment (tests use both to prove work is not run twice). ``max_sequences`` caps
+    the sequences in flight,
     ``batch_slots`` those of batch requests (interactive ones join above them, up to ``max_sequences``);
     ``prefill_tokens`` bounds the batch prompt tokens prefilled in one step, ``batch_hold_steps`` the steps of
     interactive work a waiting batch row is held back for, ``batch_rows_beside_interactive`` the batch sequences in
@@ -320,29 +320,28 @@ class LocalEngine:
                 t.cancel()
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        """One scoring request alone (a pack of one row, no padding). Raises ``ValueError`` as :meth:`score_many`."""
+        """One scoring request alone. Raises ``ValueError`` as :meth:`score_many`."""
         return (await self.score_many([request]))[0]
 
     async def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        """The requests as one right-padded pack on the engine thread (see ``score.score_pack``); results in order.
+        """The requests' tokens as prefill-only sequences of one group of the step loop, their prompt logprobs as
+        one right-padded scoring pass (``score_steps.score_requests``); results in order.
 
-        Raises ``ValueError`` for ``max_tokens`` above 1 or an empty prompt that needs a forward pass.
-        """
+        Raises ``ValueError`` for ``max_tokens`` above 1, an empty prompt that needs a forward pass, or a prompt the
+        step loop refuses."""
+        check(requests)
         for r in requests:
-            self._count(r.generation)
+            if r.generation.params.max_tokens == 0:
+                self._count(r.generation)  # the others are counted as the step loop starts them
+        return await score_requests(requests, lambda gens: self.generate_many(gens, slots=len(gens)), self._passes)
+
+    async def _passes(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """``requests`` (``max_tokens`` 0: no token chosen) as one scoring pass on the engine thread."""
         if any(r.generation.priority == Priority.INTERACTIVE for r in requests):
             self.scheduler.interrupt()  # not behind the batch's step in flight
-        loaded = self.loaded
+        model, tokenizer, limit = self.loaded.model, self.loaded.tokenizer, self.context_length or None
         return await self._inference(
-            lambda: score_pack(
-                loaded.model,
-                loaded.tokenizer,
-                requests,
-                pad_id=self.pad_id,
-                eos_ids=self.eos_ids,
-                max_positions=self.context_length or None,
-                grammars=self._steps.grammars,
-            )
+            lambda: score_pack(model, tokenizer, requests, pad_id=self.pad_id, max_positions=limit)
         )
 
     async def embed(self, request: PoolRequest) -> Vector:
@@ -379,12 +378,10 @@ class LocalEngine:
     def rename(self, *, model_id: str | None = None, weights_revision: str | None = None) -> None:
         """Change the provenance of the resident weights: the id they are served under (a checkpoint save) or their
         revision (a weight commit). Responses built from now on carry the new values."""
-        changes: dict[str, str] = {}
-        if model_id is not None:
-            changes["model_id"] = model_id
-        if weights_revision is not None:
-            changes["weights_revision"] = weights_revision
-        self.info = dataclasses.replace(self.info, **changes)  # type: ignore[arg-type]
+        info = self.info
+        model_id = info.model_id if model_id is None else model_id
+        revision = info.weights_revision if weights_revision is None else weights_revision
+        self.info = dataclasses.replace(info, model_id=model_id, weights_revision=revision)
 
     async def close(self) -> None:
         """Finish the running request, stop the thread and drop the model."""

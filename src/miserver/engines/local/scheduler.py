@@ -43,6 +43,18 @@ from miserver.scheduling.admission import Priority
 
 log = logging.getLogger("miserver.engine")
 
+#: Sequences in flight at once, every class together (the default of ``MISERVER_MAX_SEQUENCES``).
+DEFAULT_MAX_SEQUENCES = 24
+#: Batch sequences in flight at once (the default of ``BATCH_GENERATE_SLOTS``).
+DEFAULT_BATCH_SLOTS = 16
+#: Batch prompt tokens prefilled in one step at most (the default of ``BATCH_PREFILL_TOKENS``).
+DEFAULT_PREFILL_TOKENS = 256
+#: Steps of interactive work between two batch rows started beside it (the default of ``BATCH_HOLD_STEPS``).
+DEFAULT_BATCH_HOLD_STEPS = 64
+#: Batch sequences that keep decoding while interactive requests run (the default of
+#: ``BATCH_ROWS_BESIDE_INTERACTIVE``).
+DEFAULT_BATCH_ROWS_BESIDE_INTERACTIVE = 0
+
 #: Runs one step on the engine thread: (starts, drops, paused, stop) -> updates; raises what the step raised. ``stop``,
 #: when given, turns true once the step's decode should be given up (see ``StepBatch.step``).
 StepRunner = Callable[[list[Start], list[int], list[int], Callable[[], bool] | None], Awaitable[list[Update]]]
@@ -118,9 +130,9 @@ class StepScheduler:
         *,
         max_sequences: int,
         batch_slots: int,
-        prefill_tokens: int = 256,
-        batch_hold_steps: int = 64,
-        interactive_batch_rows: int = 0,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        batch_hold_steps: int = DEFAULT_BATCH_HOLD_STEPS,
+        interactive_batch_rows: int = DEFAULT_BATCH_ROWS_BESIDE_INTERACTIVE,
         on_start: Callable[[GenerationRequest], None] | None = None,
         on_generated: Callable[[int], None] | None = None,
     ) -> None:

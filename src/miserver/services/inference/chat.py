@@ -293,8 +293,9 @@ async def create(
 ) -> ServiceResult | StreamResult:
     """Run a chat completion. Returns a :class:`ServiceResult`, or a :class:`StreamResult` when ``stream`` is true.
 
-    A scoring-mode request (one token) runs as one scoring pass (``Engine.score``), which chooses its token exactly
-    as generation does; any other through ``Engine.generate``. A model served by an upstream pool goes there
+    A scoring-mode request (one token) runs through ``Engine.score``, which chooses its token exactly as generation
+    does (on the resident engine it is the step loop's one-token generation); any other through
+    ``Engine.generate``. A model served by an upstream pool goes there
     (:func:`~miserver.services.inference.routing.create`), with ``extras`` written into the body it sends.
     """
     pool = routing.target(ctx, body)
@@ -324,7 +325,7 @@ def prepare(ctx: ServiceContext, body: Any, call: Call, extras: Extras | None = 
 
 async def run_prepared(ctx: ServiceContext, p: _Prepared, call: Call) -> GenerationResult:
     """The engine computation of a prepared, non-streamed request under the admission gate (or ``call.slot``): a
-    scoring-mode request as one scoring pass, any other through ``Engine.generate``."""
+    scoring-mode request through ``Engine.score``, any other through ``Engine.generate``."""
     async with ctx.gate.hold(call.priority, call.slot):
         if p.scoring:
             return (await p.engine.score(ScoreRequest(p.gen))).generation
