@@ -1,9 +1,9 @@
 """One-token scoring requests: a prefill-only sequence of the step loop against a float32 scoring pass, in one run.
 
-Rows: the first ``--rows`` reviews of ``../shared/data/fine_food_reviews_1k.csv`` as one-token sentiment decisions
-(the chat of ``bench/packing.py``: one shared instruction, ``max_tokens`` 1, ``temperature`` 0, 5 top logprobs), on
-one :class:`LocalEngine` with the embedded SmolLM2 (its OpenMP team waiting as the server's does). Two ways of
-answering the same requests, each timed on the engine:
+Rows: the demo's topic rows (``examples/topics.jsonl``: few-shot chats on the embedded SmolLM2, gold labels in
+``topics.gold.jsonl``) at ``max_tokens`` 1, ``temperature`` 0, 5 top logprobs: the first token names the topic. On
+one :class:`LocalEngine` (its OpenMP team waiting as the server's does), two ways of answering the same requests,
+each timed on the engine:
 
 - ``steps``: ``LocalEngine.score`` / ``score_many``, what every scoring request runs: the token is a prefill-only
   sequence of the step loop over its slot forward (quantized products where the model has them), prompts reused
@@ -11,26 +11,28 @@ answering the same requests, each timed on the engine:
 - ``pass``: ``score.score_pack`` on the engine thread, the float32 scoring pass through transformers' forward that
   scoring requests ran before (a right-padded pack with its shared prefix run once).
 
-Alone: each row one request, the two ways alternated row by row (ABAB, the first way swapped every row). Packed:
-packs of ``--pack`` rows in file order, the two ways alternated pack by pack. Printed: rows/s of each way and the
-ratio steps/pass, the rows whose top token the two ways choose differently, the largest difference of the chosen
-token's logprob, and each way's accuracy against the review's score (4-5 positive, 1-2 negative, 3 left out), with
-the load average at the start and the end. Results: ``bench/results/scoring_steps.json``.
+Alone: each row one interactive request (a synchronous one), the two ways alternated row by row (ABAB, the first way
+swapped every row). Packed: packs of ``--pack`` rows in file order at batch priority (a ``pack: true`` batch's rows:
+the step loop admits them within ``BATCH_PREFILL_TOKENS`` a step), the two ways alternated pack by pack. Printed:
+rows/s of each way and the ratio steps/pass, the rows whose top token the two ways choose differently, the largest
+difference of the chosen token's logprob where both chose one token, and each way's accuracy against the gold
+labels (the label the token begins), with the load average at the start and the end. Results:
+``bench/results/scoring_steps.json``.
 
     .venv/bin/python bench/scoring_steps.py
-    .venv/bin/python bench/scoring_steps.py --rows 200 --pack 16
+    .venv/bin/python bench/scoring_steps.py --pack 8
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,25 +48,29 @@ from miserver.engines.adapter import generation_request  # noqa: E402
 from miserver.engines.base import ScoreRequest, ScoreResult  # noqa: E402
 from miserver.engines.local.engine import LocalEngine  # noqa: E402
 from miserver.engines.local.score import score_pack  # noqa: E402
+from miserver.scheduling.admission import Priority  # noqa: E402
 from miserver.settings import EMBEDDED_MODEL_ID, Settings  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "fine_food_reviews_1k.csv"
 RESULTS = ROOT / "bench" / "results" / "scoring_steps.json"
-SYSTEM = "You label product reviews. Answer with one word: positive or negative."
+INPUT, GOLD = ROOT / "examples" / "topics.jsonl", ROOT / "examples" / "topics.gold.jsonl"
+LABELS = ("World", "Sports", "Business", "Sci/Tech")
+
+
+def label_of(token: str) -> str | None:
+    """The label a first token begins (``Sci`` begins ``Sci/Tech``), or None."""
+    word = token.strip().lower()
+    return next((label for label in LABELS if word and label.lower().startswith(word)), None)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
 
 Way = Callable[[Sequence[ScoreRequest]], Awaitable[list[ScoreResult]]]
 
 
 def load() -> float:
     return round(os.getloadavg()[0], 2)
-
-
-def reviews(count: int) -> list[tuple[str, str | None]]:
-    """``(text, gold)`` of the first ``count`` reviews; gold ``positive`` (score 4-5), ``negative`` (1-2) or None."""
-    with DATA.open(newline="") as fh:
-        rows = list(csv.DictReader(fh))[:count]
-    gold = {"1": "negative", "2": "negative", "4": "positive", "5": "positive"}
-    return [(f"{r['Summary']}\n\n{r['Text']}", gold.get(r["Score"])) for r in rows]
 
 
 async def timed(way: Way, requests: Sequence[ScoreRequest]) -> tuple[float, list[ScoreResult]]:
@@ -86,9 +92,8 @@ async def compare(ways: dict[str, Way], units: list[list[ScoreRequest]]) -> dict
     return {"seconds": seconds, "results": results}
 
 
-def summary(run: dict[str, Any], golds: list[str | None], rows: int) -> dict[str, Any]:
+def summary(run: dict[str, Any], golds: list[str], rows: int) -> dict[str, Any]:
     steps, passes = run["results"]["steps"], run["results"]["pass"]
-    tokens = {name: [r.generation.sequences[0].text.strip().lower() for r in rs] for name, rs in run["results"].items()}
     changed = sum(
         a.generation.sequences[0].token_ids != b.generation.sequences[0].token_ids for a, b in zip(steps, passes)
     )
@@ -97,8 +102,10 @@ def summary(run: dict[str, Any], golds: list[str | None], rows: int) -> dict[str
         la, lb = a.generation.sequences[0].logprobs, b.generation.sequences[0].logprobs
         if la and lb and la[0].token_id == lb[0].token_id:
             worst = max(worst, abs(la[0].logprob - lb[0].logprob))
-    judged = [(i, g) for i, g in enumerate(golds) if g is not None]
-    accuracy = {name: sum(ts[i].startswith(g) for i, g in judged) / len(judged) for name, ts in tokens.items()}
+    accuracy = {
+        name: sum(label_of(r.generation.sequences[0].text) == g for r, g in zip(rs, golds)) / len(golds)
+        for name, rs in run["results"].items()
+    }
     rate = {name: rows / s for name, s in run["seconds"].items()}
     return {
         "rows_per_s": rate,
@@ -106,23 +113,22 @@ def summary(run: dict[str, Any], golds: list[str | None], rows: int) -> dict[str
         "top_token_changed": changed,
         "max_logprob_diff": worst,
         "accuracy": accuracy,
-        "judged_rows": len(judged),
     }
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--pack", type=int, default=16, help="rows a pack")
     args = parser.parse_args()
     engine = await LocalEngine.start(EMBEDDED_MODEL_ID, cache_dir=Settings().cache_dir, device="cpu")
     loaded = engine.loaded
-    data = reviews(args.rows)
-    requests = []
-    for text, _ in data:
-        ids = engine.tokenize_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}])
-        params: dict[str, Any] = dict(max_tokens=1, temperature=0.0, top_p=None, stop=None, seed=0, logprobs=5, n=1)
-        requests.append(ScoreRequest(generation_request(ids, **params)))
+    lines = read_jsonl(INPUT)
+    gold = {g["custom_id"]: g["label"] for g in read_jsonl(GOLD)}
+    golds = [gold[line["custom_id"]] for line in lines]
+    params: dict[str, Any] = dict(max_tokens=1, temperature=0.0, top_p=None, stop=None, seed=0, logprobs=5, n=1)
+    requests = [
+        ScoreRequest(generation_request(engine.tokenize_chat(line["body"]["messages"]), **params)) for line in lines
+    ]
 
     async def by_pass(units: Sequence[ScoreRequest]) -> list[ScoreResult]:
         limit = engine.context_length or None
@@ -136,11 +142,13 @@ async def main() -> None:
     await compare(ways, [requests[:2]])  # warm-up: both ways once
     start_load = load()
     print(f"{len(requests)} rows, packs of {args.pack}, load average {start_load}", flush=True)
-    golds = [g for _, g in data]
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": len(requests), "load_start": start_load}
+    rows = [
+        replace(r, generation=replace(r.generation, priority=Priority.BATCH, fairness_key="bench")) for r in requests
+    ]
     for name, units in (
         ("alone", [[r] for r in requests]),
-        ("packed", [requests[i : i + args.pack] for i in range(0, len(requests), args.pack)]),
+        ("packed", [rows[i : i + args.pack] for i in range(0, len(rows), args.pack)]),
     ):
         entry = summary(await compare(ways, units), golds, len(requests))
         report[name] = entry
@@ -148,8 +156,8 @@ async def main() -> None:
         print(
             f"{name:<7} steps {rate['steps']:6.2f} rows/s  pass {rate['pass']:6.2f} rows/s  steps/pass "
             f"{entry['ratio_steps_over_pass']:5.2f}x  top token changed {entry['top_token_changed']}/{len(requests)}  "
-            f"max |dlogprob| {entry['max_logprob_diff']:.3f}  accuracy steps {acc['steps']:.1%} pass {acc['pass']:.1%} "
-            f"({entry['judged_rows']} rows)  load {load()}",
+            f"max |dlogprob| {entry['max_logprob_diff']:.3f}  accuracy steps {acc['steps']:.1%} "
+            f"pass {acc['pass']:.1%}  load {load()}",
             flush=True,
         )
     report["load_end"] = load()

@@ -17,7 +17,7 @@ import torch
 from miserver.engines.adapter import generation_request
 from miserver.engines.local.engine import LocalEngine
 from miserver.engines.local.loader import LoadedModel, load_model, resolve_model_source
-from miserver.engines.local.prefixes import PromptPrefixes
+from miserver.engines.local.prefixes import SECOND_PASS_TOKENS, PromptPrefixes
 from miserver.engines.local.slots import KVCacheKind, SlotModel
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, and never make anything up."
@@ -117,6 +117,26 @@ def test_prompts_prefilled_together_reuse_what_other_slots_hold(loaded: LoadedMo
         assert warm.prefixes.reused == expected
         for slot, (ids, logits) in enumerate(zip(prompts, together, strict=True)):
             assert torch.equal(logits, cold.prefill(slot, ids))
+
+
+def test_prompts_prefilled_together_share_a_prefix_no_slot_holds(loaded: LoadedModel, kernel_dir: Path) -> None:
+    """Prompts of one prefill sharing a long prefix that no slot holds: the first computes it, the others wait for a
+    second pass and copy it, each with the bits of its prefill alone (cache columns and logits)."""
+    prompts = [chat(loaded, q) for q in QUESTIONS]
+    common = [min(shared_prefix(prompts[0], p), len(p) - 1) for p in prompts[1:]]
+    assert min(common) >= SECOND_PASS_TOKENS
+    with torch.inference_mode():
+        warm, cold = slots(loaded, kernel_dir), slots(loaded, kernel_dir)
+        assert warm.prefixes.passes([0, 1, 2], prompts) == [[0], [1, 2]]
+        together = warm.prefill_many([0, 1, 2], prompts)
+        assert warm.prefixes.reused == sum(common)
+        assert warm.prefixes.passes([3, 4], prompts[1:]) == [[0, 1]], "what the slots hold now needs no second pass"
+        for slot, (ids, logits) in enumerate(zip(prompts, together, strict=True)):
+            assert torch.equal(logits, cold.prefill(slot, ids))
+            for mine, ref in zip(columns(warm, slot, len(ids)), columns(cold, slot, len(ids)), strict=True):
+                assert torch.equal(mine, ref)
+    short = [torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 3, 5])]
+    assert PromptPrefixes().passes([0, 1], short) == [[0, 1]], "a few shared tokens are not worth a second pass"
 
 
 def test_a_slot_refilled_with_a_longer_prompt_keeps_its_own_columns(loaded: LoadedModel, kernel_dir: Path) -> None:

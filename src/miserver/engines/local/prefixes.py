@@ -13,9 +13,22 @@ only).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
+
+#: A prompt of a prefill waits for a second pass when a prompt of the first shares at least this many more leading
+#: tokens with it than any slot holds (a second pass reads the weights again: about one decode step here).
+SECOND_PASS_TOKENS = 16
+
+
+def shared_length(held: torch.Tensor, ids: torch.Tensor, cap: int) -> int:
+    """How many leading tokens ``held`` and ``ids`` (``[n]``, long) share, at most ``cap``."""
+    m = min(cap, int(held.numel()), int(ids.numel()))
+    if m <= 0:
+        return 0
+    same = held[:m] == ids[:m].to(held.device)
+    return m if bool(same.all()) else int(torch.argmin(same.to(torch.int8)))
 
 
 class PromptPrefixes:
@@ -44,16 +57,27 @@ class PromptPrefixes:
         best = (-1, 0)
         cap = int(ids.numel()) - 1
         for slot, held in self._prompts.items():
-            if slot in exclude:
+            if slot in exclude or min(cap, int(held.numel())) <= best[1]:
                 continue
-            m = min(cap, int(held.numel()))
-            if m <= best[1]:
-                continue
-            same = held[:m] == ids[:m].to(held.device)
-            length = m if bool(same.all()) else int(torch.argmin(same.to(torch.int8)))
+            length = shared_length(held, ids, cap)
             if length > best[1]:
                 best = (slot, length)
         return best
+
+    def passes(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[list[int]]:
+        """The prompts of one prefill (``prompts[i]`` into ``slots[i]``) as one or two passes of indices, in order.
+        A prompt waits for the second pass when a prompt of the first shares :data:`SECOND_PASS_TOKENS` or more
+        leading tokens with it beyond what any slot holds now: it then copies them from that prompt's slot instead
+        of computing them again (eight chats with one system prompt, a batch's shared instructions). Which pass a
+        prompt runs in never changes its bits: a copied prefix has the bits of a computed one."""
+        first: list[int] = []
+        second: list[int] = []
+        for i, (slot, ids) in enumerate(zip(slots, prompts, strict=True)):
+            held = self.longest(ids, exclude=set(slots) - {slot})[1]
+            cap = int(ids.numel()) - 1
+            inner = max((shared_length(prompts[j], ids, cap) for j in first), default=0)
+            (second if inner - held >= SECOND_PASS_TOKENS else first).append(i)
+        return [indices for indices in (first, second) if indices]
 
     def record(self, slot: int, ids: torch.Tensor, reused: int) -> None:
         """``slot`` now holds the prompt ``ids``, its first ``reused`` positions copied."""

@@ -209,12 +209,20 @@ class SlotModel:
         prompt's last position. With ``own_prefill`` over prepacked weights the prompts go through one forward pass:
         their positions are the rows of each product (oneDNN's product of a prepacked weight computes a row's bits
         whatever the other rows), attention runs per prompt, rotary embedding and norms per row, so each slot's cache
-        and logits are bit for bit its prefill alone's, and the weights are read once; otherwise one prompt after
-        the other. Raises ``ValueError`` as :meth:`prefill` does, before any slot changes."""
+        and logits are bit for bit its prefill alone's, and the weights are read once (twice where prompts that
+        share a long prefix no slot holds wait for a second pass that copies it: ``PromptPrefixes.passes``);
+        otherwise one prompt after the other. Raises ``ValueError`` as :meth:`prefill` does, before any slot
+        changes."""
         for ids in prompts:
             self._check_prompt(ids)
         if self.own_prefill and (len(prompts) == 1 or self.prefill_weights == "packed"):
-            return self._prefill_into(list(slots), list(prompts))
+            if self._kernel is None:  # no prompt is reused without the kernel
+                return self._prefill_into(list(slots), list(prompts))
+            logits: dict[int, torch.Tensor] = {}
+            for part in self.prefixes.passes(slots, prompts):
+                done = self._prefill_into([slots[i] for i in part], [prompts[i] for i in part])
+                logits.update(zip(part, done, strict=True))
+            return [logits[i] for i in range(len(prompts))]
         return [self.prefill(slot, ids) for slot, ids in zip(slots, prompts, strict=True)]
 
     def _prefill_into(self, slots: list[int], prompts: list[torch.Tensor]) -> list[torch.Tensor]:
