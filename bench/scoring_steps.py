@@ -16,7 +16,8 @@ swapped every row). Packed: packs of ``--pack`` rows in file order at batch prio
 the step loop admits them within ``BATCH_PREFILL_TOKENS`` a step), the two ways alternated pack by pack. Printed:
 rows/s of each way and the ratio steps/pass, the rows whose top token the two ways choose differently, the largest
 difference of the chosen token's logprob where both chose one token, and each way's accuracy against the gold
-labels (the label the token begins), with the load average at the start and the end. Results:
+labels (the label the token begins); then how many rows the step loop answered packed exactly as alone; the load
+average at the start and the end. Results:
 ``bench/results/scoring_steps.json``.
 
     .venv/bin/python bench/scoring_steps.py
@@ -45,7 +46,7 @@ if "OMP_WAIT_POLICY" not in os.environ:  # OpenMP's waiting as the server sets i
     os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
 
 from miserver.engines.adapter import generation_request  # noqa: E402
-from miserver.engines.base import ScoreRequest, ScoreResult  # noqa: E402
+from miserver.engines.base import GeneratedSequence, ScoreRequest, ScoreResult  # noqa: E402
 from miserver.engines.local.engine import LocalEngine  # noqa: E402
 from miserver.engines.local.score import score_pack  # noqa: E402
 from miserver.scheduling.admission import Priority  # noqa: E402
@@ -146,11 +147,14 @@ async def main() -> None:
     rows = [
         replace(r, generation=replace(r.generation, priority=Priority.BATCH, fairness_key="bench")) for r in requests
     ]
+    answers: dict[str, list[list[GeneratedSequence]]] = {}
     for name, units in (
         ("alone", [[r] for r in requests]),
         ("packed", [rows[i : i + args.pack] for i in range(0, len(rows), args.pack)]),
     ):
-        entry = summary(await compare(ways, units), golds, len(requests))
+        run = await compare(ways, units)
+        answers[name] = [r.generation.sequences for r in run["results"]["steps"]]
+        entry = summary(run, golds, len(requests))
         report[name] = entry
         rate, acc = entry["rows_per_s"], entry["accuracy"]
         print(
@@ -160,6 +164,9 @@ async def main() -> None:
             f"pass {acc['pass']:.1%}  load {load()}",
             flush=True,
         )
+    same = sum(a == b for a, b in zip(answers["alone"], answers["packed"], strict=True))
+    report["steps_packed_equal_alone"] = same
+    print(f"steps: packed rows equal to the same rows alone (tokens, text, logprobs): {same}/{len(requests)}")
     report["load_end"] = load()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))
