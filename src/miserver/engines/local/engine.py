@@ -34,6 +34,7 @@ from miserver.engines.base import (
 from miserver.engines.local.decoding import DEFAULT_DECODE, DecodeOptions, make_slots
 from miserver.engines.local.embed import pool_pack
 from miserver.engines.local.loader import LoadedModel, eos_ids_of, load_model, resolve_model_source
+from miserver.engines.local.prefixes import PromptPrefixes
 from miserver.engines.local.processors import BACKEND as GRAMMAR_BACKEND
 from miserver.engines.local.processors import CacheStats, Grammars
 from miserver.engines.local.scheduler import (
@@ -115,6 +116,7 @@ class LocalEngine:
             max_positions=self.context_length or None,
             grammars=Grammars(loaded.tokenizer, self._vocab_size, self.eos_ids),
         )
+        prefixes: PromptPrefixes | None = getattr(self._steps.cache, "prefixes", None)
         self.scheduler = StepScheduler(
             self._run_step,
             max_sequences=max_sequences,
@@ -124,6 +126,7 @@ class LocalEngine:
             interactive_batch_rows=batch_rows_beside_interactive,
             on_start=self._count,
             on_generated=self._generated,
+            prompt_cost=None if prefixes is None else prefixes.to_compute,  # a held prefix is copied, not computed
         )
 
     @classmethod
