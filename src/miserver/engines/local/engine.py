@@ -62,13 +62,13 @@ class LocalEngine:
     ``executions`` counts requests run (each generation or one-token scoring request as the step scheduler admits it,
     and each other request of ``score``, ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is
     called with each request at that moment (tests use both to prove work is not run twice). ``max_sequences`` caps
-    the sequences in flight,
-    ``batch_slots`` those of batch requests (interactive ones join above them, up to ``max_sequences``);
-    ``prefill_tokens`` bounds the batch prompt tokens prefilled in one step, ``batch_hold_steps`` the steps of
-    interactive work a waiting batch row is held back for, ``batch_rows_beside_interactive`` the batch sequences in
-    flight that keep decoding while interactive requests run (see ``scheduler.StepScheduler``).
-    ``decode`` picks the decode step (``slots.make_slots``): the static-cache Llama forward where the model allows
-    it (the default), or transformers' own forward and cache.
+    the sequences in flight, ``batch_slots`` those of batch requests (interactive ones join above them, up to
+    ``max_sequences``); ``prefill_tokens`` bounds the batch prompt tokens computed in one step's prefills (a prefix a
+    slot holds is copied, not counted), ``batch_hold_steps`` the steps of interactive work a waiting batch row is
+    held back for, ``batch_rows_beside_interactive`` the batch sequences in flight that keep decoding while
+    interactive requests run (see ``scheduler.StepScheduler``). ``decode`` picks the decode step
+    (``slots.make_slots``): the static-cache Llama forward where the model allows it (the default), or transformers'
+    own forward and cache.
     """
 
     def __init__(

@@ -48,7 +48,7 @@ log = logging.getLogger("miserver.engine")
 DEFAULT_MAX_SEQUENCES = 24
 #: Batch sequences in flight at once (the default of ``BATCH_GENERATE_SLOTS``).
 DEFAULT_BATCH_SLOTS = 16
-#: Batch prompt tokens prefilled in one step at most (the default of ``BATCH_PREFILL_TOKENS``).
+#: Batch prompt tokens computed in one step's prefills at most (the default of ``BATCH_PREFILL_TOKENS``).
 DEFAULT_PREFILL_TOKENS = 256
 #: Steps of interactive work between two batch rows started beside it (the default of ``BATCH_HOLD_STEPS``).
 DEFAULT_BATCH_HOLD_STEPS = 64
