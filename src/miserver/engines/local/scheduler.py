@@ -304,11 +304,11 @@ class StepScheduler:
                 n = t.request.n
                 room = min(self.batch_slots - batch_used, self.max_sequences - used)
                 alone = batch_used == 0 and used == 0  # a request wider than the room starts when nothing runs
-                tokens = self.prompt_cost(t.request.prompt_ids)
-                if prefill > 0 and prefill + tokens > self.prefill_tokens:
-                    return starts
                 if (n > room and not alone) or not self._group_room(t):
                     continue
+                tokens = self.prompt_cost(t.request.prompt_ids)  # asked only of a ticket that has room
+                if prefill > 0 and prefill + tokens > self.prefill_tokens:
+                    return starts
                 queue.popleft()
                 del self._batch[key]
                 if queue:
