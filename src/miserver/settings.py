@@ -195,9 +195,8 @@ class Settings(BaseSettings):
         256,
         validation_alias=_env("BATCH_PREFILL_TOKENS"),
         ge=1,
-        description="batch rows' prompt tokens the resident model computes in the prefills of one decode step at "
-        "most (a prefix a cache slot holds is copied and not counted; a prefill delays every sequence of its step; a "
-        "row with a longer prompt starts alone in its step)",
+        description="batch rows' prompt tokens the resident model prefills in one decode step at most (a prefill "
+        "delays every sequence of its step; a row with a longer prompt starts alone in its step)",
     )
     batch_hold_steps: int = Field(
         64,

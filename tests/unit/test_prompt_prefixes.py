@@ -83,14 +83,6 @@ def test_longest_finds_the_slot_sharing_most_and_leaves_the_last_token() -> None
     assert prefixes.longest(torch.tensor([1, 2, 3, 4, 5]), exclude=()) == (-1, 0)
 
 
-def test_the_cost_of_a_prompt_is_what_no_slot_holds() -> None:
-    prefixes = PromptPrefixes()
-    assert prefixes.to_compute([1, 2, 3, 4]) == 4 and prefixes.to_compute([]) == 0
-    prefixes.record(0, torch.tensor([1, 2, 3, 9]), 0)
-    assert prefixes.to_compute([1, 2, 3, 4, 5]) == 2
-    assert prefixes.to_compute([1, 2, 3, 9]) == 1, "the last position is always computed"
-
-
 @pytest.mark.parametrize("kv_cache", ["model", "bfloat16"])
 def test_a_shared_prefix_is_copied_with_the_bits_of_a_whole_prefill(
     loaded: LoadedModel, kernel_dir: Path, kv_cache: KVCacheKind

@@ -125,20 +125,6 @@ async def test_batch_prompts_start_within_the_prefill_budget_of_a_step() -> None
     assert [t.admitted_at for t in rows] == [0, 0, 1, 2, 3], "60 + 30 fit a step; + 20 would not; 150 starts alone"
 
 
-async def test_the_prefill_budget_counts_the_tokens_a_prefill_computes() -> None:
-    """With ``prompt_cost`` (the engine's: a prefix a slot holds is copied), prompts whose held prefixes leave little
-    to compute start together where their whole lengths would start one a step."""
-    steps = FakeSteps()
-    held = 50  # leading tokens every prompt shares with what a slot holds
-    s = StepScheduler(
-        steps, max_sequences=16, batch_slots=8, prefill_tokens=100, prompt_cost=lambda ids: len(ids) - held
-    )
-    rows = [s.submit(prompt(20, length)) for length in (80, 80, 80, 80)]
-    for t in rows:
-        await t.outcome()
-    assert [t.admitted_at for t in rows] == [0, 0, 0, 1], "30 + 30 + 30 fit a step; + 30 would not"
-
-
 async def test_no_batch_prefill_joins_a_step_while_an_interactive_request_runs() -> None:
     steps = FakeSteps(hold_at=1)
     s = StepScheduler(steps, max_sequences=8, batch_slots=4)

@@ -34,7 +34,6 @@ from miserver.engines.base import (
 from miserver.engines.local.decoding import DEFAULT_DECODE, DecodeOptions, make_slots
 from miserver.engines.local.embed import pool_pack
 from miserver.engines.local.loader import LoadedModel, eos_ids_of, load_model, resolve_model_source
-from miserver.engines.local.prefixes import PromptPrefixes
 from miserver.engines.local.processors import BACKEND as GRAMMAR_BACKEND
 from miserver.engines.local.processors import CacheStats, Grammars
 from miserver.engines.local.scheduler import (
@@ -63,12 +62,11 @@ class LocalEngine:
     and each other request of ``score``, ``score_many``, ``embed``, ``embed_many``); ``on_execute``, when set, is
     called with each request at that moment (tests use both to prove work is not run twice). ``max_sequences`` caps
     the sequences in flight, ``batch_slots`` those of batch requests (interactive ones join above them, up to
-    ``max_sequences``); ``prefill_tokens`` bounds the batch prompt tokens computed in one step's prefills (a prefix a
-    slot holds is copied, not counted), ``batch_hold_steps`` the steps of interactive work a waiting batch row is
-    held back for, ``batch_rows_beside_interactive`` the batch sequences in flight that keep decoding while
-    interactive requests run (see ``scheduler.StepScheduler``). ``decode`` picks the decode step
-    (``slots.make_slots``): the static-cache Llama forward where the model allows it (the default), or transformers'
-    own forward and cache.
+    ``max_sequences``); ``prefill_tokens`` bounds the batch prompt tokens prefilled in one step, ``batch_hold_steps``
+    the steps of interactive work a waiting batch row is held back for, ``batch_rows_beside_interactive`` the batch
+    sequences in flight that keep decoding while interactive requests run (see ``scheduler.StepScheduler``).
+    ``decode`` picks the decode step (``slots.make_slots``): the static-cache Llama forward where the model allows
+    it (the default), or transformers' own forward and cache.
     """
 
     def __init__(
@@ -116,7 +114,6 @@ class LocalEngine:
             max_positions=self.context_length or None,
             grammars=Grammars(loaded.tokenizer, self._vocab_size, self.eos_ids),
         )
-        prefixes: PromptPrefixes | None = getattr(self._steps.cache, "prefixes", None)
         self.scheduler = StepScheduler(
             self._run_step,
             max_sequences=max_sequences,
@@ -126,7 +123,6 @@ class LocalEngine:
             interactive_batch_rows=batch_rows_beside_interactive,
             on_start=self._count,
             on_generated=self._generated,
-            prompt_cost=None if prefixes is None else prefixes.to_compute,  # a held prefix is copied, not computed
         )
 
     @classmethod

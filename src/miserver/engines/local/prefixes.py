@@ -56,20 +56,13 @@ class PromptPrefixes:
         ``(-1, 0)`` when none shares a token."""
         best = (-1, 0)
         cap = int(ids.numel()) - 1
-        for slot, held in list(self._prompts.items()):  # a copy: the engine thread may forget them meanwhile
+        for slot, held in self._prompts.items():
             if slot in exclude or min(cap, int(held.numel())) <= best[1]:
                 continue
             length = shared_length(held, ids, cap)
             if length > best[1]:
                 best = (slot, length)
         return best
-
-    def to_compute(self, prompt_ids: Sequence[int]) -> int:
-        """The positions of a prompt that a prefill would compute now: those after the longest prefix a slot holds.
-        An estimate for admission, read on the event loop: the slots may change before the prefill."""
-        if not prompt_ids:
-            return 0
-        return len(prompt_ids) - self.longest(torch.tensor(prompt_ids, dtype=torch.long), exclude=())[1]
 
     def passes(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[list[int]]:
         """The prompts of one prefill (``prompts[i]`` into ``slots[i]``) as one or two passes of indices, in order.

@@ -8,10 +8,9 @@ while anything waits or runs:
    stop (a batch cancelled, paused or expired, a claim lost), leave at this step and free their slots;
 2. **admit**: interactive tickets first, oldest first, while the slots in flight stay within ``max_sequences``;
    then batch tickets, round robin over their fairness keys, while the batch class holds at most ``batch_slots``
-   sequences and the prompt tokens their prefills compute (``prompt_cost``: a prefix a slot holds is copied, not
-   computed) stay within ``prefill_tokens`` a step (the first batch ticket of a step is never held back by it). An
-   interactive ticket therefore starts at the next step even when every batch slot is busy, and no batch sequence is
-   ever stopped to make room for it. While interactive tickets are in flight or waiting, the batch
+   sequences and their prompts stay within ``prefill_tokens`` a step (the first batch ticket of a step is never held
+   back by it). An interactive ticket therefore starts at the next step even when every batch slot is busy, and no
+   batch sequence is ever stopped to make room for it. While interactive tickets are in flight or waiting, the batch
    is held back: no batch ticket starts (a prefill runs inside its step and would delay every sequence of it), and
    only the earliest ``interactive_batch_rows`` batch sequences in flight decode (0 by default: on a CPU every row
    lengthens the step); the others sit the step out, keeping their slots and caches. Every ``batch_hold_steps``
@@ -35,7 +34,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from miserver.engines.base import GenerationRequest, GenerationResult, StreamDelta
@@ -48,7 +47,7 @@ log = logging.getLogger("miserver.engine")
 DEFAULT_MAX_SEQUENCES = 24
 #: Batch sequences in flight at once (the default of ``BATCH_GENERATE_SLOTS``).
 DEFAULT_BATCH_SLOTS = 16
-#: Batch prompt tokens computed in one step's prefills at most (the default of ``BATCH_PREFILL_TOKENS``).
+#: Batch prompt tokens prefilled in one step at most (the default of ``BATCH_PREFILL_TOKENS``).
 DEFAULT_PREFILL_TOKENS = 256
 #: Steps of interactive work between two batch rows started beside it (the default of ``BATCH_HOLD_STEPS``).
 DEFAULT_BATCH_HOLD_STEPS = 64
@@ -123,8 +122,7 @@ class Ticket:
 class StepScheduler:
     """Admission and the step loop (see the module). ``run_step`` runs one step on the engine thread;
     ``on_start(request)`` is called as each request is admitted (the engine counts executions there);
-    ``on_generated(tokens)`` after each step; ``prompt_cost(prompt_ids)`` gives the prompt tokens a batch ticket's
-    prefill would compute now (default: all of them), counted against ``prefill_tokens``."""
+    ``on_generated(tokens)`` after each step."""
 
     def __init__(
         self,
@@ -137,7 +135,6 @@ class StepScheduler:
         interactive_batch_rows: int = DEFAULT_BATCH_ROWS_BESIDE_INTERACTIVE,
         on_start: Callable[[GenerationRequest], None] | None = None,
         on_generated: Callable[[int], None] | None = None,
-        prompt_cost: Callable[[Sequence[int]], int] | None = None,
     ) -> None:
         if max_sequences < 1 or batch_slots < 1:
             raise ValueError("the step scheduler needs at least one slot")
@@ -161,7 +158,6 @@ class StepScheduler:
         self.batch_slots = min(batch_slots, max_sequences)
         self.on_start = on_start
         self.on_generated = on_generated
-        self.prompt_cost = prompt_cost or len
         self.steps = 0
         self._numbers = itertools.count()
         self._interactive: deque[Ticket] = deque()
@@ -304,11 +300,11 @@ class StepScheduler:
                 n = t.request.n
                 room = min(self.batch_slots - batch_used, self.max_sequences - used)
                 alone = batch_used == 0 and used == 0  # a request wider than the room starts when nothing runs
-                if (n > room and not alone) or not self._group_room(t):
-                    continue
-                tokens = self.prompt_cost(t.request.prompt_ids)  # asked only of a ticket that has room
+                tokens = len(t.request.prompt_ids)
                 if prefill > 0 and prefill + tokens > self.prefill_tokens:
                     return starts
+                if (n > room and not alone) or not self._group_room(t):
+                    continue
                 queue.popleft()
                 del self._batch[key]
                 if queue:
