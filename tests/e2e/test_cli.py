@@ -57,6 +57,21 @@ def test_batch_run_without_paths_names_the_files(sqlite_module_server: ServerPro
     assert "output: file file-" in result.output and "error lines: file file-" in result.output
 
 
+def test_submit_sets_pack_only_when_asked(sqlite_module_server: ServerProcess, tmp_path: Path) -> None:
+    """``--pack`` and ``--no-pack`` set the batch's ``pack``; without either the server's default applies (false)."""
+    source = tmp_path / "one.jsonl"
+    source.write_text(json.dumps(line("one", chat_body("hi"))) + "\n")
+    url = ["--url", sqlite_module_server.base_url]
+    packs = []
+    for flag in (["--pack"], ["--no-pack"], []):
+        submitted = CliRunner().invoke(main, ["batch", "submit", str(source), *flag, *url])
+        assert submitted.exit_code == 0, submitted.output
+        status = CliRunner().invoke(main, ["batch", "status", submitted.output.strip(), *url])
+        assert status.exit_code == 0, status.output
+        packs.append(json.loads(status.output)["millm"]["pack"])
+    assert packs == [True, False, False]
+
+
 def test_a_failed_batch_says_why_and_exits_1(sqlite_module_server: ServerProcess, tmp_path: Path) -> None:
     source = tmp_path / "all-bad.jsonl"
     source.write_text(json.dumps(line("bad", chat_body("hi", foo=1))) + "\n")

@@ -19,27 +19,39 @@ def batch() -> None:
     """Submit and watch batches on a running server (a client of the HTTP API)."""
 
 
-def _submit(url: str, path: str, endpoint: str, window: str) -> Any:
+#: ``--pack/--no-pack``: the batch's ``pack`` field (unset: the server's ``BATCH_PACK_DEFAULT``).
+pack_option = click.option(
+    "--pack/--no-pack",
+    default=None,
+    help="Run the rows packed (pack: true) or one at a time; unset, the server's default (BATCH_PACK_DEFAULT).",
+)
+
+
+def _submit(url: str, path: str, endpoint: str, window: str, pack: bool | None) -> Any:
     client = _client(url)
     with open(path, "rb") as fh:
         uploaded = client.files.create(file=(Path(path).name, fh), purpose="batch")
-    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window=window)
+    extra = {} if pack is None else {"pack": pack}
+    return client.batches.create(
+        input_file_id=uploaded.id, endpoint=endpoint, completion_window=window, extra_body=extra
+    )
 
 
 @batch.command("submit")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False))
 @click.option("--endpoint", default="/v1/chat/completions", show_default=True)
 @click.option("--window", default="24h", show_default=True, help="completion_window, 1h-168h.")
+@pack_option
 @url_option
 @client_errors
-def batch_submit(path: str, endpoint: str, window: str, url: str) -> None:
+def batch_submit(path: str, endpoint: str, window: str, pack: bool | None, url: str) -> None:
     """Upload PATH (JSONL) and create a batch; prints the batch id.
 
     \b
     Example:
-      miserver batch submit examples/topics.jsonl --endpoint /v1/chat/completions
+      miserver batch submit examples/topics.jsonl --endpoint /v1/chat/completions --pack
     """
-    click.echo(_submit(url, path, endpoint, window).id)
+    click.echo(_submit(url, path, endpoint, window, pack).id)
 
 
 @batch.command("status")
@@ -125,9 +137,12 @@ def wait_for_batch(
 @click.option("--window", default="24h", show_default=True)
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write the output lines here.")
 @click.option("--errors", "-e", type=click.Path(dir_okay=False), default=None, help="Write the error lines here.")
+@pack_option
 @url_option
 @client_errors
-def batch_run(path: str, endpoint: str, window: str, output: str | None, errors: str | None, url: str) -> None:
+def batch_run(
+    path: str, endpoint: str, window: str, output: str | None, errors: str | None, pack: bool | None, url: str
+) -> None:
     """Submit PATH, show progress until the batch ends, then save its output (and its error lines).
 
     Exits 0 when the batch completed, even if some rows failed (they are counted, and are in the error file);
@@ -138,7 +153,7 @@ def batch_run(path: str, endpoint: str, window: str, output: str | None, errors:
       miserver batch run examples/topics.jsonl -o results.jsonl -e errors.jsonl
     """
     client = _client(url)
-    created = _submit(url, path, endpoint, window)
+    created = _submit(url, path, endpoint, window, pack)
     final = wait_for_batch(client, created.id)
     counts = final.request_counts
     done = f"{counts.completed} completed, {counts.failed} failed of {counts.total}" if counts else "no rows"
