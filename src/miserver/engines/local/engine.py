@@ -47,7 +47,7 @@ from miserver.engines.local.scheduler import (
     Ticket,
 )
 from miserver.engines.local.score import score_pack
-from miserver.engines.local.score_steps import check, score_requests
+from miserver.engines.local.score_steps import score_requests
 from miserver.engines.local.steps import Start, StepBatch, Update
 from miserver.engines.local.thread import engine_threads, new_executor, one_openmp_team
 from miserver.scheduling.admission import Priority
@@ -328,11 +328,9 @@ class LocalEngine:
 
         Raises ``ValueError`` for ``max_tokens`` above 1, an empty prompt that needs a forward pass, or a prompt the
         step loop refuses."""
-        check(requests)
-        for r in requests:
-            if r.generation.params.max_tokens == 0:
-                self._count(r.generation)  # the others are counted as the step loop starts them
-        return await score_requests(requests, lambda gens: self.generate_many(gens, slots=len(gens)), self._passes)
+        return await score_requests(
+            requests, lambda gens: self.generate_many(gens, slots=len(gens)), self._passes, count=self._count
+        )
 
     async def _passes(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """``requests`` (``max_tokens`` 0: no token chosen) as one scoring pass on the engine thread."""

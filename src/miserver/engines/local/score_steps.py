@@ -35,13 +35,23 @@ def check(requests: Sequence[ScoreRequest]) -> None:
         raise ValueError("the prompt has no tokens")
 
 
-async def score_requests(requests: Sequence[ScoreRequest], steps: Steps, passes: Passes) -> list[ScoreResult]:
+async def score_requests(
+    requests: Sequence[ScoreRequest],
+    steps: Steps,
+    passes: Passes,
+    count: Callable[[GenerationRequest], None] = lambda _: None,
+) -> list[ScoreResult]:
     """``requests`` answered in order: each one token by ``steps`` (one group), prompt logprobs and ``max_tokens`` 0
-    by one call of ``passes``. Raises ``ValueError`` as :func:`check`, or the first refusal of the step loop (a
-    prompt longer than the context), after which no further request of the group starts."""
+    by one call of ``passes``. ``count`` is called, once they are checked, with each request that runs in the pass
+    only (the step loop counts the others as it starts them). Raises ``ValueError`` as :func:`check`, or the first
+    refusal of the step loop (a prompt longer than the context), after which no further request of the group
+    starts."""
     check(requests)
     stepped = [i for i, r in enumerate(requests) if r.generation.params.max_tokens == 1]
     passed = [i for i, r in enumerate(requests) if r.prompt_logprobs is not None or r.generation.params.max_tokens == 0]
+    for r in requests:
+        if r.generation.params.max_tokens == 0:
+            count(r.generation)
     results: dict[int, ScoreResult] = {}
     if passed:
         prompt_only = [_without_token(requests[i]) for i in passed]

@@ -216,7 +216,7 @@ class SlotModel:
         for ids in prompts:
             self._check_prompt(ids)
         if self.own_prefill and (len(prompts) == 1 or self.prefill_weights == "packed"):
-            if self._kernel is None:  # no prompt is reused without the kernel
+            if self._kernel is None or len(prompts) == 1:  # no prompt is reused without the kernel
                 return self._prefill_into(list(slots), list(prompts))
             logits: dict[int, torch.Tensor] = {}
             for part in self.prefixes.passes(slots, prompts):
